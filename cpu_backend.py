@@ -1,0 +1,186 @@
+"""Run megatron-core where CUDA is absent: process group, CUDA-call redirects, RNG tracker.
+
+megatron-core assumes a GPU in a handful of places that have nothing to do with the math
+(where to put a buffer, how to save and restore the CUDA RNG). On a CPU-only machine
+`install_cpu_redirects()` points exactly those places at the CPU, and installs an RNG
+tracker that keeps one CPU generator per tracked state, so dropout inside
+tensor-parallel regions is reproducible and never disturbs the default generator.
+Where CUDA is available every function here leaves megatron-core untouched.
+
+    from cpu_backend import init_distributed, init_model_parallel
+    rank, world_size, device = init_distributed()          # under torchrun, or alone
+    init_model_parallel(tensor_parallel=2, context_parallel=1, seed=1234)
+
+Imports only torch, the standard library and megatron-core.
+"""
+
+import contextlib
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.fusions import fused_softmax
+from megatron.core.tensor_parallel import random as megatron_random
+
+DEFAULT_TIMEOUT_MINUTES = 30
+
+
+def free_port():
+    """A TCP port on localhost nobody listens on right now (for single-process runs and tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES):
+    """Initialise torch.distributed from torchrun's environment; returns (rank, world_size, device).
+
+    gloo on CPU, nccl on GPU (one device per LOCAL_RANK). Run without torchrun it becomes a
+    world of one on a free local port. Installs the CPU redirects when CUDA is absent.
+    Calling it again after initialisation returns the same answer and does nothing else.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        install_cpu_redirects()
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234):
+    """megatron-core's parallel groups and RNG seeds, after `init_distributed`.
+
+    Data parallel is what remains of the world. Re-initialises if groups already exist
+    (tests run several layouts in one process).
+    """
+    world_size = dist.get_world_size()
+    if world_size % (tensor_parallel * context_parallel):
+        raise ValueError(f"tensor_parallel={tensor_parallel} x context_parallel={context_parallel} "
+                         f"does not divide the world size {world_size}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             context_parallel_size=context_parallel)
+    megatron_random.model_parallel_cuda_manual_seed(seed)
+
+
+class CpuRNGStatesTracker:
+    """megatron's `CudaRNGStatesTracker` interface over CPU generators.
+
+    Each tracked name ("model-parallel-rng", "data-parallel-rng", "expert-parallel-rng")
+    owns a `torch.Generator`. On CPU, dropout draws from the default generator and takes no
+    generator argument, so `fork(name)` swaps the named generator's state into the default
+    generator for the duration of the block and swaps both back afterwards: the default
+    generator continues exactly where it was, the named one where it stopped.
+    `get_states`/`set_states` exchange state tensors (snapshots), as activation recompute
+    (`CheckpointFunction`) expects: it restores them to replay dropout bit for bit.
+    """
+
+    def __init__(self, *args, **kwargs):
+        # megatron passes use_cudagraphable_rng / is_inference_rng_tracker; neither
+        # applies on CPU.
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.generators = {}
+        self.seeds = set()
+
+    def get_states(self):
+        return {name: generator.get_state() for name, generator in self.generators.items()}
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.generators = {}
+        for name, state in states.items():
+            self.generators[name] = torch.Generator()
+            self.generators[name].set_state(state)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} is already tracked (names: {sorted(self.generators)})")
+        if name in self.generators:
+            raise ValueError(f"rng state {name!r} is already tracked")
+        self.seeds.add(seed)
+        self.generators[name] = torch.Generator().manual_seed(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name=megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.generators:
+            raise ValueError(f"rng state {name!r} is not tracked; tracked: {sorted(self.generators)}")
+        default_state = torch.get_rng_state()
+        torch.set_rng_state(self.generators[name].get_state())
+        try:
+            yield
+        finally:
+            self.generators[name].set_state(torch.get_rng_state())
+            torch.set_rng_state(default_state)
+
+
+def _no_cuda_rng_state(*args, **kwargs):
+    # There is no CUDA generator; the CPU generator's state is saved separately by the
+    # same callers (torch.get_rng_state), so an empty state is complete.
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_cuda_rng_state(new_state, *args, **kwargs):
+    return None
+
+
+def _cpu_current_device():
+    return "cpu"
+
+
+def _cpu_default_causal_mask(sq):
+    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
+def install_cpu_redirects():
+    """Point megatron-core's CUDA-only calls at the CPU; a no-op when CUDA is available.
+
+    Idempotent; returns True when the redirects are (now) in place. Each redirect, and the
+    megatron-core code it serves (0.14 - 0.19):
+    - `torch.cuda.current_device` -> "cpu": buffers allocated with
+      `device=torch.cuda.current_device()` (RoPE `inv_freq`, the MTP `roll_tensor` CP
+      exchange, the MTP loss tracker, vocab-parallel layers' weight allocation).
+    - `torch.cuda.get_rng_state`, `random._get_cuda_rng_state` -> an empty state and
+      `random._set_cuda_rng_state` -> no-op: activation recompute (`CheckpointFunction`,
+      `_get_all_rng_states`) saves and restores "the CUDA RNG" next to the CPU one.
+    - `random.CudaRNGStatesTracker` -> `CpuRNGStatesTracker`, and the tracker instance:
+      `get_cuda_rng_tracker().fork()` around tensor-parallel weight init and dropout, and
+      `model_parallel_cuda_manual_seed` which `add`s the tracked seeds.
+    - `fused_softmax.get_default_causal_mask` -> the same mask built on the CPU: megatron's
+      local `DotProductAttention` with `attention_mask=None` builds it with device="cuda".
+    `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, needs no
+    redirect: on a build without CUDA it is queued lazily and never runs.
+    """
+    if torch.cuda.is_available():
+        return False
+    if isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        return True
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.get_rng_state = _no_cuda_rng_state
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
+    megatron_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return True
