@@ -74,6 +74,12 @@ def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              context_parallel_size=context_parallel)
+    if not torch.cuda.is_available():
+        # On GPU, model_parallel_cuda_manual_seed seeds the default CUDA generator with the
+        # data-parallel seed (the same on every rank); the default CPU generator is its
+        # counterpart here. megatron's CPU weight init draws the full master weight from it
+        # on every TP rank and keeps a slice, so it must agree across ranks.
+        torch.manual_seed(seed)
     megatron_random.model_parallel_cuda_manual_seed(seed)
 
 
@@ -168,8 +174,9 @@ def install_cpu_redirects():
       `model_parallel_cuda_manual_seed` which `add`s the tracked seeds.
     - `fused_softmax.get_default_causal_mask` -> the same mask built on the CPU: megatron's
       local `DotProductAttention` with `attention_mask=None` builds it with device="cuda".
-    `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, needs no
-    redirect: on a build without CUDA it is queued lazily and never runs.
+    `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, is left
+    alone (on a build without CUDA it is queued lazily and never runs);
+    `init_model_parallel` seeds the default CPU generator in its place.
     """
     if torch.cuda.is_available():
         return False

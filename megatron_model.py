@@ -20,8 +20,10 @@ import os
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import TransformerConfig
+
+from cp_attention import ContextParallelTHDAttention
 
 # The MTP loss is added to the LM loss with this weight (divided by the number of MTP
 # layers). Set explicitly: up to megatron-core 0.15 the default is None and the MTP loss
@@ -90,20 +92,51 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
     return TransformerConfig(**{name: value for name, value in fields.items() if name in known})
 
 
-def build_gpt_model(model, *, mtp=True, layer_spec=None, **config_options):
+def transformer_engine_usable():
+    """True when Transformer Engine imports and a GPU is present (its attention needs CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec_for(attention):
+    """The decoder layer spec for attention "te", "thd" or "local".
+
+    "te": Transformer Engine's spec. "thd": megatron's local spec with
+    `ContextParallelTHDAttention` (packed THD and context parallelism on any device).
+    "local": megatron's local spec unchanged (bshd only, CP 1: the independent reference
+    the tests compare against).
+    """
+    if attention == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "thd":
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelTHDAttention
+    elif attention != "local":
+        raise ValueError(f"attention={attention!r}; expected 'auto', 'te', 'thd' or 'local'")
+    return spec
+
+
+def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
     """A MiMo-style `GPTModel` with the architecture of `model` (dir, config.json or dict).
 
-    Weights are megatron's random init; load real ones with weight_sync.py. `layer_spec`
-    defaults to megatron's local (no Transformer Engine) spec; `config_options` go to
+    Weights are megatron's random init; load real ones with weight_sync.py. `attention`:
+    "auto" is Transformer Engine where usable, else "thd" (see `layer_spec_for`); `config_options` go to
     `transformer_config` (tensor_parallel, context_parallel, params_dtype, recompute, ...).
     """
+    if attention == "auto":
+        attention = "te" if transformer_engine_usable() else "thd"
     hf_config = load_hf_config(model)
     config = transformer_config(hf_config, mtp=mtp, **config_options)
-    if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = layer_spec_for(attention)
     mtp_block_spec = None
     if config.mtp_num_layers:
-        mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+        mtp_block_spec = gpt_layer_specs.get_gpt_mtp_block_spec(config, layer_spec,
+                                                                use_transformer_engine=attention == "te")
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -1,0 +1,182 @@
+"""Megatron forward for RL: per-token log-probs and entropy of packed sequences under TP and CP.
+
+One call runs a megatron-core `GPTModel` on a batch of variable-length sequences
+(concatenated ids + lengths) and returns, for every token, the log-probability of the
+token that follows it in its sequence, and optionally the entropy of that next-token
+distribution, both at the sampling temperature (logits / temperature, so they match what
+the rollout sampler saw).
+
+    out = forward_logprobs(model, input_ids, seqlens, temperature=1.0, with_entropy=True, mtp_train=True)
+    loss = -(out.logprobs * out.batch.pack(advantages)).sum() / num_tokens   # CP-local shard
+    loss.backward()                                                          # MTP loss rides along
+
+How it stays right and cheap:
+- Packing is `cp_thd.pack_thd`: zigzag THD layout across context-parallel ranks.
+- `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
+  positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
+  `position_ids` and crash on `None`. Vision models compute their own positions and never
+  get them.
+- Labels are passed, so megatron builds the MTP loss (attached to the graph, it rides on
+  the backward pass). The main-model logits are taken from the output layer's forward
+  (vocab-parallel shard, [s, b, vocab/tp]); log-probs come from megatron's vocab-parallel
+  cross entropy and entropy from a vocab-parallel reduction: no rank ever holds the full
+  vocabulary.
+
+Imports torch, megatron-core and cp_thd.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from cp_thd import ThdBatch, pack_thd
+
+
+@dataclass
+class ForwardOutput:
+    """Per-token results, in the CP-local slot layout of `batch` unless gathered.
+
+    logprobs [T] fp32: log p(next token | prefix) at the temperature; 0 where `loss_mask` is 0.
+    entropy [T] fp32 or None: entropy of the next-token distribution at the temperature.
+    loss_mask [T] fp32: 1 for real tokens that have a next token in their sequence.
+    mtp_loss: fp32 scalar tensor (detached), this rank's MTP loss summed over MTP layers,
+      or None when MTP training is off or the model is in eval mode.
+    batch: the `ThdBatch` the model ran on (use `batch.pack` for advantages, old log-probs).
+    T is T_local (this CP rank's slots) or T_total (input order) when gathered.
+    """
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    loss_mask: torch.Tensor
+    mtp_loss: Optional[torch.Tensor]
+    batch: ThdBatch
+
+
+def next_token_labels(input_ids, seqlens):
+    """labels[i] = input_ids[i + 1] within a sequence; the last token of each sequence gets
+    label 0 and mask 0. input_ids [T] int, seqlens [B] int -> (labels [T] int64, mask [T] fp32)."""
+    labels = torch.roll(input_ids, -1).long()
+    last_token = torch.cumsum(seqlens.to(input_ids.device), 0) - 1
+    mask = torch.ones(input_ids.shape[0], dtype=torch.float32, device=input_ids.device)
+    mask[last_token] = 0.0
+    labels[last_token] = 0
+    return labels, mask
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) where the vocabulary is split over the TP group.
+
+    Forward all-reduces max, sum(exp) and sum(p * z) over the group; backward is local:
+    dH/dz_i = p_i * (E_p[z] - z_i). (A differentiable all-reduce would multiply the
+    gradient by the TP size, because every rank backpropagates the same entropy.)
+    """
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        logits_max = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        dist.all_reduce(sum_exp, group=group)
+        probs = exp / sum_exp
+        expected_logit = (probs * shifted).sum(dim=-1, keepdim=True)
+        dist.all_reduce(expected_logit, group=group)
+        ctx.save_for_backward(probs, shifted, expected_logit)
+        return (sum_exp.log() - expected_logit).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        probs, shifted, expected_logit = ctx.saved_tensors
+        return grad_entropy.unsqueeze(-1) * probs * (expected_logit - shifted), None
+
+
+def vocab_parallel_entropy(logits, group=None):
+    """logits [..., vocab/tp] (any float dtype) -> entropy [...] in the logits' dtype."""
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    return _VocabParallelEntropy.apply(logits, group)
+
+
+def _tracked_mtp_losses():
+    values = MTPLossLoggingHelper.tracker.get("values")
+    return None if values is None else values.clone()
+
+
+def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1.0, with_entropy=False,
+                     mtp_train=False, vision=False, gather=False, pad_id=0, pad_multiple=1):
+    """Run `model` on packed sequences; return per-token next-token log-probs (and entropy).
+
+    model: megatron-core GPTModel (post_process=True), built with THD-capable attention.
+    input_ids: [T_total] int tensor, the sequences concatenated; seqlens: [B] int, each >= 1.
+    loss_mask: optional [T_total] (0/1): loss_mask[i] says whether the prediction made at
+      token i (of token i + 1) counts, e.g. 1 where token i + 1 is a response token. It is
+      also the MTP loss mask. Combined with "token i has a next token in its sequence".
+    temperature: logits are divided by it before log-softmax (the sampler's temperature).
+    with_entropy: also return the next-token entropy (vocab-parallel, differentiable).
+    mtp_train: pass packed position ids so the MTP layers can roll them; megatron then
+      attaches the MTP loss to the graph. Off: position_ids=None (megatron derives RoPE
+      positions from packed_seq_params).
+    vision: the model computes its own positions; position_ids are never passed.
+    gather: return [T_total] tensors in input order (all-gathered over the CP group; for
+      logging) instead of this CP rank's [T_local] slots (for a loss computed on the shard).
+    Returns `ForwardOutput`. Gradients flow from logprobs/entropy into the model.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}; expected > 0")
+    config = model.config
+    cp_group = parallel_state.get_context_parallel_group()
+    seqlens = torch.as_tensor(seqlens, device=input_ids.device)
+    batch = pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
+                     tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+                     pad_multiple=pad_multiple, pad_id=pad_id)
+    labels, next_token_mask = next_token_labels(input_ids, seqlens)
+    if loss_mask is not None:
+        if loss_mask.shape != input_ids.shape:
+            raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; expected {tuple(input_ids.shape)} "
+                             "like input_ids")
+        next_token_mask = next_token_mask * loss_mask.to(next_token_mask)
+    loss_mask = next_token_mask
+    local_labels = batch.pack(labels)
+    local_mask = batch.pack(loss_mask)
+
+    captured = []
+
+    def keep_logits(module, args, output):
+        # megatron's own cross entropy on these logits works in place (they become
+        # probabilities); hand it a copy and keep the original. The output layer runs once
+        # per MTP layer, then once for the main model: the last capture is the main one.
+        logits, bias = output
+        captured.append(logits)
+        return logits.clone(), bias
+
+    hook = model.output_layer.register_forward_hook(keep_logits)
+    mtp_before = _tracked_mtp_losses()
+    try:
+        model(input_ids=batch.input_ids[None],
+              position_ids=batch.position_ids[None] if mtp_train and not vision else None,
+              attention_mask=None,
+              labels=local_labels[None],
+              loss_mask=local_mask[None],
+              packed_seq_params=batch.packed_seq_params)
+    finally:
+        hook.remove()
+    logits = captured[-1][:, 0].float() / temperature  # [T_local, vocab/tp]
+
+    # Entropy first: megatron's vocab-parallel cross entropy overwrites its input in place.
+    entropy = vocab_parallel_entropy(logits) if with_entropy else None
+    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits[:, None], local_labels[:, None])[:, 0]
+    logprobs = logprobs * local_mask
+
+    mtp_loss = None
+    mtp_after = _tracked_mtp_losses()
+    if mtp_train and config.mtp_num_layers and mtp_after is not None:
+        mtp_loss = (mtp_after - (mtp_before if mtp_before is not None else 0)).sum()
+
+    if gather:
+        logprobs = batch.unpack(logprobs, cp_group=cp_group)
+        entropy = batch.unpack(entropy, cp_group=cp_group) if entropy is not None else None
+        local_mask = loss_mask
+    return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch)
