@@ -14,7 +14,7 @@ gives the global padded boundaries. A query attends to a key iff both belong to 
 sequence and the key's position is <= the query's. Padding sits at the end of each
 sequence, so no real token ever sees a padding key. RoPE was already applied by megatron.
 
-Imports only torch and megatron-core.
+Imports torch, megatron-core and cp_thd (the layout).
 """
 
 import contextlib
@@ -24,27 +24,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-
-def zigzag_slot_positions(seqlens_padded, cp_size, cp_rank):
-    """Sequence index and position of every slot one CP rank holds in the zigzag layout.
-
-    seqlens_padded: [B] int, each a multiple of 2*cp_size. Returns two int64 tensors of
-    length sum(seqlens_padded) // cp_size: the sequence each slot belongs to and the
-    slot's position within its (padded) sequence. Positions beyond the true length are
-    padding. Vectorised: no loop over sequences, no host sync.
-    """
-    seqlens_padded = seqlens_padded.to(torch.int64)
-    local_lengths = seqlens_padded // cp_size
-    half = local_lengths // 2
-    sequence = torch.repeat_interleave(torch.arange(len(seqlens_padded), device=seqlens_padded.device),
-                                       local_lengths)
-    local_starts = torch.cumsum(local_lengths, 0) - local_lengths
-    offset = torch.arange(sequence.numel(), device=sequence.device) - local_starts[sequence]
-    slot_half = half[sequence]
-    in_second_chunk = offset >= slot_half
-    chunk = torch.where(in_second_chunk, 2 * cp_size - 1 - cp_rank, cp_rank)
-    position = chunk * slot_half + offset - in_second_chunk * slot_half
-    return sequence, position
+from cp_thd import zigzag_slot_positions
 
 
 class _AllGatherSequence(torch.autograd.Function):
@@ -113,7 +93,7 @@ class ContextParallelTHDAttention(torch.nn.Module):
         cu_seqlens_padded = packed_seq_params.cu_seqlens_q_padded
         if cu_seqlens_padded is None:
             cu_seqlens_padded = packed_seq_params.cu_seqlens_q
-        seqlens_padded = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
+        seqlens_padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).long()
         query_sequence, query_position = zigzag_slot_positions(seqlens_padded, cp_size, cp_rank)
         if cp_size > 1:
             key = _AllGatherSequence.apply(key, self.cp_group)

@@ -14,13 +14,14 @@ How it stays right and cheap:
 - Packing is `cp_thd.pack_thd`: zigzag THD layout across context-parallel ranks.
 - `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
   positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
-  `position_ids` and crash on `None`. Vision models compute their own positions and never
-  get them.
-- Labels are passed, so megatron builds the MTP loss (attached to the graph, it rides on
-  the backward pass). The main-model logits are taken from the output layer's forward
-  (vocab-parallel shard, [s, b, vocab/tp]); log-probs come from megatron's vocab-parallel
-  cross entropy and entropy from a vocab-parallel reduction: no rank ever holds the full
-  vocabulary.
+  `position_ids` and crash on `None`. (A vision model, which computes its own positions,
+  would not get them either; this module serves GPTModel.)
+- With MTP training on, labels and the loss mask are passed, so megatron builds the MTP
+  loss (attached to the graph, it rides on the backward pass); off, they are not, and a
+  model patched by mtp_patch.py skips its MTP layers.
+- The main-model logits are taken from the output layer's forward (vocab-parallel shard,
+  [s, b, vocab/tp]); log-probs come from megatron's vocab-parallel cross entropy and
+  entropy from a vocab-parallel reduction: no rank ever holds the full vocabulary.
 
 Imports torch, megatron-core and cp_thd.
 """
@@ -31,7 +32,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from cp_thd import ThdBatch, pack_thd
 
@@ -43,8 +43,9 @@ class ForwardOutput:
     logprobs [T] fp32: log p(next token | prefix) at the temperature; 0 where `loss_mask` is 0.
     entropy [T] fp32 or None: entropy of the next-token distribution at the temperature.
     loss_mask [T] fp32: 1 for real tokens that have a next token in their sequence.
-    mtp_loss: fp32 scalar tensor (detached), this rank's MTP loss summed over MTP layers,
-      or None when MTP training is off or the model is in eval mode.
+    mtp_loss: fp32 scalar tensor (detached), this rank's MTP loss summed over MTP depths
+      (summed over CP ranks: the batch's), from `model.mtp_losses` which mtp_patch.py sets;
+      None when MTP training is off or the model is not patched.
     batch: the `ThdBatch` the model ran on (use `batch.pack` for advantages, old log-probs).
     T is T_local (this CP rank's slots) or T_total (input order) when gathered.
     """
@@ -100,13 +101,8 @@ def vocab_parallel_entropy(logits, group=None):
     return _VocabParallelEntropy.apply(logits, group)
 
 
-def _tracked_mtp_losses():
-    values = MTPLossLoggingHelper.tracker.get("values")
-    return None if values is None else values.clone()
-
-
 def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1.0, with_entropy=False,
-                     mtp_train=False, vision=False, gather=False, pad_id=0, pad_multiple=1):
+                     mtp_train=False, gather=False, pad_id=0, pad_multiple=1):
     """Run `model` on packed sequences; return per-token next-token log-probs (and entropy).
 
     model: megatron-core GPTModel (post_process=True), built with THD-capable attention.
@@ -119,7 +115,6 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     mtp_train: pass packed position ids so the MTP layers can roll them; megatron then
       attaches the MTP loss to the graph. Off: position_ids=None (megatron derives RoPE
       positions from packed_seq_params).
-    vision: the model computes its own positions; position_ids are never passed.
     gather: return [T_total] tensors in input order (all-gathered over the CP group; for
       logging) instead of this CP rank's [T_local] slots (for a loss computed on the shard).
     Returns `ForwardOutput`. Gradients flow from logprobs/entropy into the model.
@@ -145,21 +140,22 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     captured = []
 
     def keep_logits(module, args, output):
-        # megatron's own cross entropy on these logits works in place (they become
-        # probabilities); hand it a copy and keep the original. The output layer runs once
-        # per MTP layer, then once for the main model: the last capture is the main one.
+        # The output layer runs once per MTP layer, then once for the main model: the last
+        # capture is the main one. With labels, megatron's own cross entropy then works on
+        # these logits in place; hand it a copy and keep the original.
         logits, bias = output
         captured.append(logits)
-        return logits.clone(), bias
+        return (logits.clone(), bias) if mtp_train else output
 
     hook = model.output_layer.register_forward_hook(keep_logits)
-    mtp_before = _tracked_mtp_losses()
     try:
+        # Labels only serve the MTP loss (log-probs are computed below): without them a
+        # patched model skips its MTP layers (see mtp_patch.py; megatron <= 0.16 needs it).
         model(input_ids=batch.input_ids[None],
-              position_ids=batch.position_ids[None] if mtp_train and not vision else None,
+              position_ids=batch.position_ids[None] if mtp_train else None,
               attention_mask=None,
-              labels=local_labels[None],
-              loss_mask=local_mask[None],
+              labels=local_labels[None] if mtp_train else None,
+              loss_mask=local_mask[None] if mtp_train else None,
               packed_seq_params=batch.packed_seq_params)
     finally:
         hook.remove()
@@ -170,10 +166,8 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits[:, None], local_labels[:, None])[:, 0]
     logprobs = logprobs * local_mask
 
-    mtp_loss = None
-    mtp_after = _tracked_mtp_losses()
-    if mtp_train and config.mtp_num_layers and mtp_after is not None:
-        mtp_loss = (mtp_after - (mtp_before if mtp_before is not None else 0)).sum()
+    mtp_losses = getattr(model, "mtp_losses", None) if mtp_train else None
+    mtp_loss = mtp_losses.sum() if mtp_losses is not None else None
 
     if gather:
         logprobs = batch.unpack(logprobs, cp_group=cp_group)

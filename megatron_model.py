@@ -87,8 +87,12 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         fields["mtp_num_layers"] = None
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    fields.update(overrides)
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{unknown} are not TransformerConfig fields in this megatron-core release")
+    fields.update(overrides)
+    # Our own defaults that an older release does not know are left out.
     return TransformerConfig(**{name: value for name, value in fields.items() if name in known})
 
 

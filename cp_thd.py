@@ -1,0 +1,262 @@
+"""Packed (THD) batches split across context-parallel ranks, with exact position ids.
+
+A THD batch concatenates variable-length sequences with no padding between them
+(`cu_seqlens` marks the boundaries). Under context parallelism (CP) of size `cp`, each
+sequence is padded to a multiple of `2*cp`, cut into `2*cp` equal chunks, and rank `r`
+keeps chunks `r` and `2*cp-1-r` of every sequence, sequences in order ("zigzag": with a
+causal mask, an early chunk and a late chunk together cost every rank the same work).
+This is the layout Transformer Engine's THD context-parallel attention expects.
+
+    batch = pack_thd(input_ids, seqlens, cp_size=4, cp_rank=rank)
+    labels = batch.pack(all_labels)              # any per-token tensor, same layout
+    logprobs = batch.unpack(local_logprobs, cp_group)   # back to [T_total, ...]
+
+Every slot of the local layout is computed from its place in its padded sequence, so
+position ids are right for every rank by construction: a real token's position is its
+index in its own sequence; a padding slot gets `seqlen - 1` (a valid position of the same
+sequence, so rotary tables and MTP never see an out-of-range value). The whole batch is a
+handful of tensor ops on the input's device with a single device-to-host sync, no Python
+loop over sequences.
+
+Imports only torch, the standard library and megatron-core's `PackedSeqParams`.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+
+# Each CP rank holds two chunks of every sequence: one from the front, its mirror from the back.
+CHUNKS_PER_RANK = 2
+PADDING_INDEX = -1
+INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_parallel=False, pad_multiple=1,
+             pad_id=0):
+    """Pad, split and lay out a packed batch for context-parallel rank `cp_rank`.
+
+    Args:
+        input_ids: [T_total] integer tensor, the B sequences concatenated.
+        seqlens: [B] integer tensor or list, each >= 1, summing to T_total.
+        cp_size, cp_rank: context-parallel size and this rank's place in it.
+        tp_size, sequence_parallel: with sequence parallelism over tp > 1 ranks the local
+            token count must divide by tp; the last sequence is padded to get there.
+        pad_multiple: every padded length is also a multiple of this (e.g. 8 for FP8 kernels).
+        pad_id: token id written into padding slots.
+
+    Returns a `ThdBatch`. Every padded length is the smallest multiple of
+    lcm(2*cp_size if cp_size > 1 else 1, pad_multiple) that holds the sequence, except the
+    last one, which grows by as few of those multiples as make the total divide by tp*cp
+    (sequence parallel only). That is never more padding than aligning every sequence to
+    tp*cp*2 (and pad_multiple), the usual rule.
+    T_local = sum(seqlens_padded) // cp_size.
+    """
+    _check_layout(cp_size, cp_rank, tp_size, pad_multiple)
+    _check_integer_tensor("input_ids", input_ids)
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D [T_total] (the sequences concatenated), "
+                         f"got shape {tuple(input_ids.shape)}")
+    device = input_ids.device
+    seqlens = torch.as_tensor(seqlens, device=device)
+    if seqlens.dim() != 1 or len(seqlens) == 0:
+        raise ValueError(f"seqlens must be 1-D [B] with B >= 1 sequence lengths, got shape {tuple(seqlens.shape)}")
+    _check_integer_tensor("seqlens", seqlens)
+    seqlens = seqlens.to(torch.int64)
+
+    multiple = math.lcm(CHUNKS_PER_RANK * cp_size if cp_size > 1 else 1, pad_multiple)
+    seqlens_padded = (seqlens + multiple - 1) // multiple * multiple
+    if sequence_parallel and tp_size > 1:
+        # T_local = total / cp must divide by tp, i.e. total by tp*cp. Both the total and
+        # this target are multiples of `multiple`, so the top-up keeps the last sequence
+        # splittable into 2*cp chunks.
+        total_multiple = math.lcm(multiple, tp_size * cp_size)
+        seqlens_padded[-1] += (-seqlens_padded.sum()) % total_multiple
+
+    # The one device-to-host sync: checks the lengths and sizes the output together.
+    shortest, total, total_padded, longest_padded = torch.stack(
+        [seqlens.min(), seqlens.sum(), seqlens_padded.sum(), seqlens_padded.max()]).tolist()
+    if shortest < 1:
+        first_bad = int(torch.nonzero(seqlens < 1)[0])
+        raise ValueError(f"seqlens[{first_bad}] = {int(seqlens[first_bad])}: every sequence length must be >= 1")
+    if total != input_ids.numel():
+        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
+                         f"expected the lengths of the concatenated sequences")
+    local_tokens = total_padded // cp_size
+
+    sequence, padded_position = zigzag_slot_positions(seqlens_padded, cp_size, cp_rank, local_tokens)
+    length = seqlens.index_select(0, sequence)
+    is_padding = padded_position >= length
+    # Padding reads its sequence's last token and position: always in range, no masking
+    # needed before the gather.
+    position_ids = torch.minimum(padded_position, length - 1)
+    sequence_starts = torch.cumsum(seqlens, 0) - seqlens
+    index = sequence_starts.index_select(0, sequence) + position_ids
+    local_input_ids = input_ids.index_select(0, index).masked_fill_(is_padding, pad_id)
+    index.masked_fill_(is_padding, PADDING_INDEX)
+    cu_seqlens_padded = torch.nn.functional.pad(torch.cumsum(seqlens_padded, 0), (1, 0)).to(torch.int32)
+    # cu_seqlens_q/kv are the *padded* boundaries too, for two reasons:
+    # - megatron's MTP `roll_tensor` (packed path) cuts the local tensor at
+    #   cu_seqlens_q // cp_size; only the padded boundaries, multiples of 2*cp, land on the
+    #   local sequence starts. Real boundaries would roll tokens across sequences.
+    # - Transformer Engine reads cu_seqlens as "tokens that take part in attention" and
+    #   cu_seqlens_padded as "where each sequence sits in memory". Padding sits at the end
+    #   of each sequence and the mask is causal, so no real token ever attends to a padding
+    #   slot: treating padding as tokens leaves every real output exact. Equal tensors also
+    #   mean "no padding between sequences" to TE, which keeps every attention backend
+    #   (FlashAttention included) eligible. Real lengths stay in `ThdBatch.seqlens`.
+    packed_seq_params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens_padded, cu_seqlens_kv=cu_seqlens_padded,
+        cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=longest_padded, max_seqlen_kv=longest_padded,
+    )
+    return ThdBatch(
+        input_ids=local_input_ids,
+        position_ids=position_ids,
+        index=index,
+        seqlens=seqlens,
+        seqlens_padded=seqlens_padded,
+        packed_seq_params=packed_seq_params,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        num_tokens=total,
+    )
+
+
+@dataclasses.dataclass
+class ThdBatch:
+    """One CP rank's share of a packed batch (T_local slots) and how to map values in and out.
+
+    input_ids [T_local] (input dtype), position_ids [T_local] int64, index [T_local] int64
+    (the input position of the token each slot holds, -1 for padding), seqlens and
+    seqlens_padded [B] int64, packed_seq_params (megatron-core, "thd"), and the layout:
+    cp_size, cp_rank, num_tokens (T_total).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    index: torch.Tensor
+    seqlens: torch.Tensor
+    seqlens_padded: torch.Tensor
+    packed_seq_params: PackedSeqParams
+    cp_size: int
+    cp_rank: int
+    num_tokens: int
+
+    def pack(self, values, pad_value=0):
+        """[T_total, ...] -> [T_local, ...], laid out like `input_ids`; padding slots hold `pad_value`."""
+        if values.dim() == 0 or values.shape[0] != self.num_tokens:
+            raise ValueError(f"values must be [T_total={self.num_tokens}, ...] (one row per input token), "
+                             f"got shape {tuple(values.shape)}")
+        is_padding = (self.index < 0).view(-1, *[1] * (values.dim() - 1))
+        return values.index_select(0, self.index.clamp(min=0)).masked_fill(is_padding, pad_value)
+
+    def merge_shards(self, shards):
+        """Every rank's [T_local, ...] shard, in rank order -> [T_total, ...] (padding dropped).
+
+        The inverse of `pack` when all shards are at hand (after your own gather, or in
+        one process); `unpack` gathers them for you. Gradients flow to every shard.
+        """
+        local_tokens = self.index.shape[0]
+        if len(shards) != self.cp_size or any(shard.shape[:1] != (local_tokens,) for shard in shards):
+            raise ValueError(f"expected {self.cp_size} shards of [T_local={local_tokens}, ...], got shapes "
+                             f"{[tuple(shard.shape) for shard in shards]}")
+        return torch.cat(list(shards)).index_select(0, self._slot_of_each_token())
+
+    def unpack(self, local, cp_group=None):
+        """This rank's [T_local, ...] -> [T_total, ...], gathering the other ranks' shards.
+
+        A collective over `cp_group` (None: the default group) when cp_size > 1. Gradients
+        flow to this rank's own shard only: the gathered copies are constants, so each
+        rank computing the same loss on the full tensor gets the gradient for its own
+        tokens, once, with no backward communication.
+        """
+        if local.dim() == 0 or local.shape[0] != self.index.shape[0]:
+            raise ValueError(f"local must be [T_local={self.index.shape[0]}, ...], got shape {tuple(local.shape)}")
+        if self.cp_size == 1:
+            return self.merge_shards([local])
+        if not dist.is_initialized():
+            raise ValueError(f"unpack with cp_size={self.cp_size} gathers over torch.distributed, which is not "
+                             f"initialised; with every shard at hand use merge_shards")
+        group_size, group_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        if (group_size, group_rank) != (self.cp_size, self.cp_rank):
+            raise ValueError(f"cp_group has size {group_size} and this process is its rank {group_rank}, but the "
+                             f"batch was packed for cp_size={self.cp_size}, cp_rank={self.cp_rank}")
+        sent = local.detach().contiguous()
+        shards = [torch.empty_like(sent) for _ in range(self.cp_size)]
+        dist.all_gather(shards, sent, group=cp_group)
+        shards[self.cp_rank] = local
+        return self.merge_shards(shards)
+
+    def _slot_of_each_token(self):
+        """[T_total] int64: for each input token, its slot in the rank-ordered concatenation of all shards."""
+        local_tokens = self.index.shape[0]
+        local_lengths = self.seqlens_padded // self.cp_size
+        local_starts = torch.cumsum(local_lengths, 0) - local_lengths
+        sequence = _run_of_each_slot(self.seqlens, self.num_tokens)
+        token = torch.arange(self.num_tokens, device=sequence.device)
+        position = token - (torch.cumsum(self.seqlens, 0) - self.seqlens).index_select(0, sequence)
+        local_start = local_starts.index_select(0, sequence)
+        if self.cp_size == 1:
+            return local_start + position
+        chunk = (self.seqlens_padded // (CHUNKS_PER_RANK * self.cp_size)).index_select(0, sequence)
+        chunk_id, within_chunk = position // chunk, position % chunk
+        in_front_half = chunk_id < self.cp_size
+        rank = torch.where(in_front_half, chunk_id, CHUNKS_PER_RANK * self.cp_size - 1 - chunk_id)
+        offset = torch.where(in_front_half, within_chunk, chunk + within_chunk)
+        return rank * local_tokens + local_start + offset
+
+
+def zigzag_slot_positions(seqlens_padded, cp_size, cp_rank, local_tokens=None):
+    """Sequence and padded position of every slot CP rank `cp_rank` holds.
+
+    seqlens_padded: [B] int64, each a multiple of 2*cp_size (any length at cp_size 1).
+    Returns (sequence [T_local] int64, position [T_local] int64); a position at or past
+    its sequence's true length is padding. `local_tokens` = sum(seqlens_padded) // cp_size
+    spares the device-to-host sync when the caller knows it.
+
+    A rank's share of a sequence is two runs of slots: chunk cp_rank, then chunk
+    2*cp-1-cp_rank (with cp 1: the two halves of the sequence, in order). Within a run,
+    position = slot + a per-run constant, so the per-slot work is one gather and an add.
+    """
+    if local_tokens is None:
+        local_tokens = int(seqlens_padded.sum()) // cp_size
+    chunk = seqlens_padded // (CHUNKS_PER_RANK * cp_size)
+    mirror = CHUNKS_PER_RANK * cp_size - 1 - cp_rank
+    run_lengths = torch.stack([chunk, seqlens_padded // cp_size - chunk], 1).view(-1)       # [2B]
+    run_starts = torch.cumsum(run_lengths, 0) - run_lengths
+    position_minus_slot = torch.stack([cp_rank * chunk, mirror * chunk], 1).view(-1) - run_starts
+    run = _run_of_each_slot(run_lengths, local_tokens)
+    slot = torch.arange(local_tokens, device=seqlens_padded.device)
+    return run // CHUNKS_PER_RANK, slot + position_minus_slot.index_select(0, run)
+
+
+def _run_of_each_slot(run_lengths, total):
+    """[total] int64: the run each of `total` = sum(run_lengths) consecutive slots belongs to.
+
+    The count of run ends at or before each slot: a cumsum over end markers (an empty run
+    puts its marker on the same slot as the one before it, so it is skipped). Same as
+    `repeat_interleave(arange(R), run_lengths)`, whose CPU kernel starts threads even for a
+    handful of elements: on a busy machine that alone costs milliseconds per call.
+    """
+    ends = torch.cumsum(run_lengths, 0)
+    markers = torch.zeros(total + 1, dtype=torch.int64, device=run_lengths.device)
+    markers.index_add_(0, ends, torch.ones_like(ends))
+    return torch.cumsum(markers[:total], 0)
+
+
+def _check_layout(cp_size, cp_rank, tp_size, pad_multiple):
+    for name, value in (("cp_size", cp_size), ("tp_size", tp_size), ("pad_multiple", pad_multiple)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: expected an integer >= 1")
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank = {cp_rank!r}: expected an integer in [0, cp_size={cp_size})")
+
+
+def _check_integer_tensor(name, tensor):
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in INTEGER_DTYPES:
+        kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be an integer tensor, got {kind}")

