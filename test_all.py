@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 import cp_thd
 import cpu_backend
+import forward
 import mtp_patch
 import spec_config
 import tiny_model
@@ -278,7 +279,6 @@ def _run_forward(checkpoint, full_state, *, tp=1, cp=1, mtp=True, attention="thd
                  shard_loss_mask=None):
     """Build the model at (tp, cp), load `full_state`, run forward + backward; return
     gathered log-probs / entropy, the summed MTP loss, grads (full shape) and MTP inputs."""
-    import forward
     from megatron.core import parallel_state
     from megatron_model import build_gpt_model
     mtp_patch.patch_megatron_mtp()
@@ -435,7 +435,6 @@ def test_forward_cp2_mtp_inputs_catch_the_pre_fix_position_formula(tiny_checkpoi
 
 
 def _forward_gating(checkpoint):
-    import forward
     from megatron_model import build_gpt_model
     cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
@@ -1642,12 +1641,16 @@ def _perturb(model, seed, scale=0.05):
 
 
 def _logprob_differences(llm, params, model):
-    """|vLLM log-prob - Megatron log-prob| of each token vLLM generates for the prompts, and the tokens."""
+    """|vLLM log-prob - Megatron log-prob (forward.py)| of each token vLLM generates, and the tokens."""
+    mtp_patch.patch_megatron_mtp()  # a log-prob-only pass on a model with MTP layers
     differences, tokens = [], []
     for output in llm.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False):
         completion = output.outputs[0]
         vllm_logprobs = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
-        megatron_logprobs = -_per_token_loss(model, list(output.prompt_token_ids) + list(completion.token_ids))
+        token_ids = torch.tensor(list(output.prompt_token_ids) + list(completion.token_ids))
+        with torch.no_grad():
+            # Log-prob of each next token (the last position predicts nothing).
+            megatron_logprobs = forward.forward_logprobs(model, token_ids, [len(token_ids)], gather=True).logprobs[:-1]
         differences.append((vllm_logprobs - megatron_logprobs[-len(completion.token_ids):]).abs())
         tokens.append(list(completion.token_ids))
     return torch.cat(differences), tokens

