@@ -1878,3 +1878,70 @@ def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_ch
     assert result["original"]["accepted"] < 0.2 * result["original"]["draft_tokens"]
     assert result["unswapped_eh_proj"]["tokens"] == fresh["tokens"]
     assert result["unswapped_eh_proj"]["accepted"] < 0.2 * result["unswapped_eh_proj"]["draft_tokens"]
+
+
+# ---------------------------------------------------------------------------------------
+# train_grpo.py: end to end, and its pure pieces
+# ---------------------------------------------------------------------------------------
+
+import train_grpo  # noqa: E402  (the entry point; imports vLLM only when it runs)
+
+TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
+
+
+def _train(out, *flags):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+               "--out", out, *flags]
+    process = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f], process.stdout
+
+
+def test_train_grpo_runs_syncs_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    records, stdout = _train(out, "--steps", "3", "--save-every", "2")
+    resumed, _ = _train(out, "--steps", "5", "--resume", os.path.join(out, "checkpoint"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert "step 3/3" in stdout and "eta" in stdout
+    for record in resumed:
+        for key in ("reward_mean", "policy_loss", "entropy", "grad_norm", "mtp_loss", "acceptance_rate",
+                    "logprob_mismatch_mean", "tokens_per_s"):
+            assert math.isfinite(record[key]), (key, record)
+        assert record["logprob_mismatch_max"] < TRAIN_MISMATCH_BOUND
+        assert record["weight_version"] == str(record["step"])
+        assert 0 <= record["acceptance_rate"] <= 1 and 0 <= record["reward_mean"] <= 1
+    # Every sync changes what vLLM generates: the greedy probe's log-prob moves each step.
+    probes = [r["probe_logprob"] for r in resumed]
+    assert all(a != b for a, b in zip(probes, probes[1:]))
+    assert os.path.exists(os.path.join(out, "curves.png"))
+    assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
+
+
+def test_train_grpo_pieces_and_bad_input(tmp_path):
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    torch.testing.assert_close(train_grpo.group_advantages(rewards, 2, "mean-only"), torch.tensor([0.5, -0.5, 0, 0]))
+    torch.testing.assert_close(train_grpo.group_advantages(rewards, 2, "leave-one-out"), torch.tensor([1.0, -1.0, 0, 0]))
+    grpo = train_grpo.group_advantages(rewards, 2, "grpo")
+    assert grpo[0] > 0.7 and grpo[1] < -0.7 and grpo[2:].abs().max() == 0
+    assert train_grpo.reward("abc", "abc", True) == 1.0 and train_grpo.reward("abd", "abc", True) == 2 / 3
+    assert train_grpo.reward("abcd", "abc", True) == 3 / 4 and train_grpo.reward("3.0", "3", False) == 1.0
+    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1]), torch.tensor([3, 2])
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        weights = train_grpo.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)
+        assert weights[0] == 0 and weights[3] == 0
+    assert train_grpo.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
+    args = train_grpo.parse_args([])
+    with pytest.raises(SystemExit, match="--tp 3 x --cp 1 = 3 does not divide the world size 2"):
+        train_grpo.check_layout(train_grpo.parse_args(["--tp", "3"]), world_size=2)
+    with pytest.raises(SystemExit, match="--temperature 0.7 with --mtp-rollout"):
+        train_grpo.check_layout(train_grpo.parse_args(["--temperature", "0.7"]), world_size=2)
+    train_grpo.check_layout(args, world_size=2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
+    with pytest.raises(SystemExit, match="line 2"):
+        train_grpo.load_jsonl(str(bad))
+    with pytest.raises(SystemExit, match="no such file"):
+        train_grpo.load_jsonl(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(SystemExit, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
+        train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}], list, 8, 4)

@@ -12,10 +12,13 @@ parallel --rollout-tp). Each step:
     torchrun --nproc_per_node 2 train_grpo.py                       # CPU: tiny model, built-in task
     torchrun --nproc_per_node 8 train_grpo.py --model DIR --tp 2 --cp 2 --rollout-tp 2
 
-Built-in task (no --data): copy a string. The prompt is "copy abcd=" with a random
-string over a small alphabet; the answer is the string itself; the reward is the
-fraction of answer characters right, in place (per-character credit, so a random
-policy earns a little and a small model can master it). With --data, a JSONL file of
+Built-in task (no --data): repeat a letter. The prompt is "repeat:c", a random letter
+from a small alphabet last; the answer is the letter three times ("ccc"); the reward is
+the fraction of answer characters right, in place (per-character credit: a random policy
+over the 128-token vocabulary earns a little, about 1%). The letter sits at the end of
+the prompt, so each answer token only has to repeat the token before it: a mapping the
+tiny random-init model can find by RL alone in a few minutes on 2 CPU cores, and one its
+MTP head can draft once the policy is sure of it. With --data, a JSONL file of
 {"prompt", "answer"} lines is used with an exact-match reward (numeric when the answer
 is a number).
 """
@@ -41,8 +44,10 @@ from forward import forward_logprobs
 from megatron_model import build_gpt_model, load_hf_config
 
 DEFAULT_MODEL_DIR = os.path.join("runs", "tiny-mimo")
-TASK_ALPHABET = "abcd"
+TASK_ALPHABET = "abcde"
 TASK_LENGTH = 3
+PROBE_PROMPT = "repeat:a"
+PROBE_TOKENS = 4
 NUMERIC_TOLERANCE = 1e-6
 ADVANTAGE_EPS = 1e-6
 
@@ -51,7 +56,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="MiMo-style HF checkpoint dir; default: the built-in tiny model")
-    p.add_argument("--data", default=None, help="JSONL of {prompt, answer}; default: the built-in copy task")
+    p.add_argument("--data", default=None, help="JSONL of {prompt, answer}; default: the built-in repeat task")
     p.add_argument("--out", default="runs/grpo", help="metrics.jsonl, curves.png, checkpoints, final HF dir")
     p.add_argument("--resume", default=None, help="a checkpoint dir written by an earlier run (OUT/checkpoint)")
     p.add_argument("--steps", type=int, default=150, help="training steps (one rollout batch each)")
@@ -61,9 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (the GRPO group)")
-    p.add_argument("--max-new-tokens", type=int, default=TASK_LENGTH + 1, help="response length limit")
+    p.add_argument("--max-new-tokens", type=int, default=TASK_LENGTH,
+                   help="response length limit (the built-in task always samples exactly this many)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches per step")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--advantage", choices=["grpo", "mean-only", "leave-one-out"], default="grpo",
@@ -97,8 +103,8 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------
 
 def builtin_example(rng):
-    text = "".join(rng.choice(TASK_ALPHABET) for _ in range(TASK_LENGTH))
-    return {"prompt": f"copy {text}=", "answer": text}
+    letter = rng.choice(TASK_ALPHABET)
+    return {"prompt": f"repeat:{letter}", "answer": letter * TASK_LENGTH}
 
 
 def load_jsonl(path):
@@ -224,19 +230,29 @@ def build_engine(model_dir, args, rank, dtype):
     if args.mtp_rollout:
         options["speculative_config"] = spec_config.build_mtp_speculative_config(
             "mtp", args.num_speculative_tokens, args.spec_config)
+        # Acceptance of exactly the rollout's requests (not the probe's).
+        options["per_request_spec_decode_metrics"] = "summary"
     return LLM(**options)
 
 
-def clip_gradients(model, max_norm):
-    """Global L2 norm over all parameters (tensor-parallel shards counted once), clipped in place."""
+def probe(llm):
+    """Greedy continuation of a fixed prompt and its summed log-prob: changes when the weights do."""
+    from vllm import SamplingParams
+    completion = llm.generate([PROBE_PROMPT], SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=0),
+                              use_tqdm=False)[0].outputs[0]
+    return completion.text, sum(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
+
+
+def clip_gradients(params, max_norm):
+    """L2 norm of `params`' gradients (tensor-parallel shards counted once), clipped in place."""
     squares = torch.zeros(1)
-    for param in model.parameters():
+    for param in params:
         if param.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
             squares += param.grad.float().square().sum().cpu()
     dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
     norm = squares.sqrt().item()
     if math.isfinite(norm) and norm > max_norm:
-        for param in model.parameters():
+        for param in params:
             if param.grad is not None:
                 param.grad.mul_(max_norm / norm)
     return norm
@@ -279,8 +295,10 @@ def rollout(llm, examples, args, rollout_group, rollout_rank):
     from vllm import SamplingParams
     num_groups = dist.get_world_size() // args.rollout_tp
     share = examples[rollout_group::num_groups]
+    # The built-in task's answers have a fixed length: no end-of-sequence to learn first.
+    # Special tokens stay in the text, so the reward sees (and penalises) them.
     params = SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            logprobs=0)
+                            logprobs=0, ignore_eos=args.data is None, skip_special_tokens=False)
     outputs = llm.generate([e["prompt"] for e in share], params, use_tqdm=False) if share else []
     mine = []
     for example, output in zip(share, outputs):
@@ -368,9 +386,15 @@ def train_step(model, reference, optimizer, samples, args):
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, group=dp_group)
-    totals["grad_norm"] = clip_gradients(model, args.grad_clip)
-    if not math.isfinite(totals["grad_norm"]):
-        raise FloatingPointError(f"non-finite gradient norm {totals['grad_norm']}")
+    # The (decoupled) MTP loss trains only the MTP layers: clip them on their own, so the
+    # draft head's larger gradients never shrink the policy's update.
+    policy_params = [p for name, p in model.named_parameters() if not name.startswith("mtp.")]
+    mtp_params = [p for name, p in model.named_parameters() if name.startswith("mtp.")]
+    totals["grad_norm"] = clip_gradients(policy_params, args.grad_clip)
+    totals["mtp_grad_norm"] = clip_gradients(mtp_params, args.grad_clip) if mtp_params else 0.0
+    if not (math.isfinite(totals["grad_norm"]) and math.isfinite(totals["mtp_grad_norm"])):
+        raise FloatingPointError(f"non-finite gradient norm: policy {totals['grad_norm']}, "
+                                 f"MTP {totals['mtp_grad_norm']}")
     optimizer.step()
     return totals
 
@@ -459,6 +483,7 @@ def main(args):
             llm.wake_up()
         weight_sync.push_to_vllm(model, llm, weight_version=str(step))
         t3 = time.time()
+        probe_text, probe_logprob = probe(llm)
 
         summed = torch.tensor([totals[k] for k in ("clip_fraction", "entropy", "mismatch_sum", "kl", "tokens")])
         dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
@@ -470,10 +495,12 @@ def main(args):
             "accuracy": (rewards == 1).float().mean().item(),
             "response_length": sum(response_lengths) / len(response_lengths),
             "policy_loss": totals["policy_loss"], "clip_fraction": clip_fraction, "approx_kl": kl,
-            "entropy": entropy, "grad_norm": totals["grad_norm"], "mtp_loss": totals["mtp_loss"],
+            "entropy": entropy, "grad_norm": totals["grad_norm"], "mtp_grad_norm": totals["mtp_grad_norm"],
+            "mtp_loss": totals["mtp_loss"],
             "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
             "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
             "logprob_mismatch_mean": mismatch, "logprob_mismatch_max": totals["mismatch_max"],
+            "probe_text": probe_text, "probe_logprob": probe_logprob, "weight_version": llm.get_weight_version(),
             "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "tokens_per_s": sum(response_lengths) / (t3 - t0),
         }
