@@ -1924,8 +1924,12 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
     torch.testing.assert_close(train_grpo.group_advantages(rewards, 2, "leave-one-out"), torch.tensor([1.0, -1.0, 0, 0]))
     grpo = train_grpo.group_advantages(rewards, 2, "grpo")
     assert grpo[0] > 0.7 and grpo[1] < -0.7 and grpo[2:].abs().max() == 0
-    assert train_grpo.reward("abc", "abc", True) == 1.0 and train_grpo.reward("abd", "abc", True) == 2 / 3
-    assert train_grpo.reward("abcd", "abc", True) == 3 / 4 and train_grpo.reward("3.0", "3", False) == 1.0
+    per_position = train_grpo.group_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), 2, "mean-only")
+    torch.testing.assert_close(per_position, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
+    assert train_grpo.token_credits([5, 6, 9], [5, 6, 7]) == [1.0, 1.0, 0.0]
+    assert train_grpo.token_credits([5, 6, 7, 8], [5, 6, 7]) == [1.0, 1.0, 1.0, 0.0]
+    assert train_grpo.reward("3.0", "3") == 1.0 and train_grpo.reward(" yes", "yes") == 1.0
+    assert train_grpo.reward("no", "yes") == 0.0
     mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1]), torch.tensor([3, 2])
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
         weights = train_grpo.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)

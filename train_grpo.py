@@ -15,7 +15,8 @@ parallel --rollout-tp). Each step:
 Built-in task (no --data): repeat a letter. The prompt is "repeat:c", a random letter
 from a small alphabet last; the answer is the letter three times ("ccc"); the reward is
 the fraction of answer characters right, in place (per-character credit: a random policy
-over the 128-token vocabulary earns a little, about 1%). The letter sits at the end of
+over the 128-token vocabulary earns a little, about 1%). The credit is per token: each
+answer position gets its own group-baselined advantage. The letter sits at the end of
 the prompt, so each answer token only has to repeat the token before it: a mapping the
 tiny random-init model can find by RL alone in a few minutes on 2 CPU cores, and one its
 MTP head can draft once the policy is sure of it. With --data, a JSONL file of
@@ -69,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=TASK_LENGTH,
                    help="response length limit (the built-in task always samples exactly this many)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
     p.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches per step")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--advantage", choices=["grpo", "mean-only", "leave-one-out"], default="grpo",
@@ -82,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--tis-cap", type=float, default=2.0,
                    help="truncated importance sampling: weight min(p_megatron / p_vllm, cap); 0 disables")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the initial policy (0: no reference model)")
-    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    p.add_argument("--entropy-coef", type=float, default=0.02,
+                   help="entropy bonus (keeps a random-init policy from collapsing onto one answer)")
     p.add_argument("--mtp-train", action=argparse.BooleanOptionalAction, default=True,
                    help="train the MTP head (its loss rides on the policy's backward pass)")
     p.add_argument("--mtp-rollout", action=argparse.BooleanOptionalAction, default=True,
@@ -129,12 +131,15 @@ def load_jsonl(path):
     return examples
 
 
-def reward(response, answer, per_character):
-    """Per-character credit (built-in task) or exact / numeric match (--data), in [0, 1]."""
+def token_credits(response_ids, answer_ids):
+    """Built-in task: per-character credit, one reward per response token (1.0 where it
+    equals the answer's token at its place)."""
+    return [float(k < len(answer_ids) and token == answer_ids[k]) for k, token in enumerate(response_ids)]
+
+
+def reward(response, answer):
+    """--data: exact match, or numeric match when the answer is a number; 0.0 or 1.0."""
     response = response.strip()
-    if per_character:
-        right = sum(a == b for a, b in zip(response, answer))
-        return right / max(len(answer), len(response))
     try:
         return float(abs(float(response) - float(answer)) <= NUMERIC_TOLERANCE)
     except ValueError:
@@ -142,15 +147,19 @@ def reward(response, answer, per_character):
 
 
 def group_advantages(rewards, group_size, mode):
-    """[N] rewards in consecutive groups -> [N] advantages (fp32)."""
-    grouped = rewards.view(-1, group_size)
+    """[N] or [N, L] rewards, N in consecutive groups -> advantages of the same shape (fp32).
+
+    With per-token rewards ([N, L], the built-in task's per-character credit) each answer
+    position is baselined against the same position of the other completions in its group.
+    """
+    grouped = rewards.view(-1, group_size, *rewards.shape[1:])
     if mode == "leave-one-out":
         baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
-        return (grouped - baseline).view(-1)
+        return (grouped - baseline).view(rewards.shape)
     centred = grouped - grouped.mean(1, keepdim=True)
     if mode == "mean-only":
-        return centred.view(-1)
-    return (centred / (grouped.std(1, keepdim=True) + ADVANTAGE_EPS)).view(-1)
+        return centred.view(rewards.shape)
+    return (centred / (grouped.std(1, keepdim=True) + ADVANTAGE_EPS)).view(rewards.shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,7 +353,7 @@ def train_step(model, reference, optimizer, samples, args):
             first = offset + len(sample["prompt_ids"]) - 1
             last = offset + length - 1
             loss_mask[first:last] = 1.0
-            advantages[first:last] = sample["advantage"]
+            advantages[first:last] = sample["advantages"]
             rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
             offset += length
         weights = token_weights(loss_mask, seqlens, args.loss_agg, num_sequences, num_tokens)
@@ -432,7 +441,12 @@ def main(args):
                                     params_dtype=dtype).to(device)
         weight_sync.load_hf_into_megatron(reference, model_dir)
         reference.eval()
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    if args.mtp_train and args.mtp_rollout:
+        # Megatron's MTP layer reads the trunk's hidden state after the final norm, vLLM's
+        # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
+        # only while the final norm's weight is uniform. Keep it as it is.
+        model.decoder.final_layernorm.weight.requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.99))
     start_step = 0
     if args.resume:
         state = torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=False)
@@ -470,10 +484,15 @@ def main(args):
             llm.sleep(level=1)  # level 1 keeps the weights (the draft included) in host memory
         t1 = time.time()
 
-        rewards = torch.tensor([reward(s["text"], s["example"]["answer"], examples is None) for s in samples])
-        advantages = group_advantages(rewards, args.group_size, args.advantage)
-        for sample, advantage in zip(samples, advantages.tolist()):
-            sample["advantage"] = advantage
+        if examples is None:
+            credits = torch.tensor([token_credits(s["response_ids"], tokenizer.encode(
+                s["example"]["answer"], add_special_tokens=False)) for s in samples])         # [N, L]
+        else:
+            credits = torch.tensor([[reward(s["text"], s["example"]["answer"])] for s in samples])  # [N, 1]
+        rewards = credits.mean(1)
+        advantages = group_advantages(credits, args.group_size, args.advantage)
+        for sample, advantage in zip(samples, advantages):
+            sample["advantages"] = advantage.expand(len(sample["response_ids"]))
         per_rank = args.prompts_per_step * args.group_size
         mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         totals = train_step(model, reference, optimizer, mine, args)
