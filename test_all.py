@@ -1900,8 +1900,9 @@ def _train(out, *flags):
 
 def test_train_grpo_runs_syncs_and_resumes(tmp_path):
     out = str(tmp_path / "run")
-    records, stdout = _train(out, "--steps", "3", "--save-every", "2")
-    resumed, _ = _train(out, "--steps", "5", "--resume", os.path.join(out, "checkpoint"))
+    # MTP drafting on (the CPU default is off): the spec-decode plumbing is exercised too.
+    records, stdout = _train(out, "--steps", "3", "--save-every", "2", "--mtp-rollout")
+    resumed, _ = _train(out, "--steps", "5", "--resume", os.path.join(out, "checkpoint"), "--mtp-rollout")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert "step 3/3" in stdout and "eta" in stdout
     for record in resumed:
@@ -1939,7 +1940,7 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
     with pytest.raises(SystemExit, match="--tp 3 x --cp 1 = 3 does not divide the world size 2"):
         train_grpo.check_layout(train_grpo.parse_args(["--tp", "3"]), world_size=2)
     with pytest.raises(SystemExit, match="--temperature 0.7 with --mtp-rollout"):
-        train_grpo.check_layout(train_grpo.parse_args(["--temperature", "0.7"]), world_size=2)
+        train_grpo.check_layout(train_grpo.parse_args(["--temperature", "0.7", "--mtp-rollout"]), world_size=2)
     train_grpo.check_layout(args, world_size=2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')

