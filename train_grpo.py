@@ -513,9 +513,16 @@ def main(args):
         t3 = time.time()
         probe_text, probe_logprob = probe(llm)
 
-        summed = torch.tensor([totals[k] for k in ("clip_fraction", "entropy", "mismatch_sum", "kl", "tokens")])
-        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-        clip_fraction, entropy, mismatch, kl, tokens = (summed / summed[-1].clamp(min=1)).tolist()
+        # Over data and context parallel ranks: each holds a share of the tokens. A rank's
+        # MTP loss is its share of its data-parallel rank's mean.
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        summed = torch.tensor([totals[k] for k in ("clip_fraction", "entropy", "mismatch_sum", "kl", "tokens",
+                                                    "mtp_loss")])
+        dist.all_reduce(summed, group=group)
+        clip_fraction, entropy, mismatch, kl = (summed[:4] / summed[4].clamp(min=1)).tolist()
+        mtp_loss = summed[5].item() / dp_size
+        mismatch_max = torch.tensor([totals["mismatch_max"]])
+        dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=group)
         response_lengths = [len(s["response_ids"]) for s in samples]
         record = {
             "step": step,
@@ -524,10 +531,10 @@ def main(args):
             "response_length": sum(response_lengths) / len(response_lengths),
             "policy_loss": totals["policy_loss"], "clip_fraction": clip_fraction, "approx_kl": kl,
             "entropy": entropy, "grad_norm": totals["grad_norm"], "mtp_grad_norm": totals["mtp_grad_norm"],
-            "mtp_loss": totals["mtp_loss"],
+            "mtp_loss": mtp_loss,
             "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
             "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
-            "logprob_mismatch_mean": mismatch, "logprob_mismatch_max": totals["mismatch_max"],
+            "logprob_mismatch_mean": mismatch, "logprob_mismatch_max": mismatch_max.item(),
             "probe_text": probe_text, "probe_logprob": probe_logprob, "weight_version": llm.get_weight_version(),
             "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "tokens_per_s": sum(response_lengths) / (t3 - t0),
