@@ -342,10 +342,95 @@ def row_forward_backward():
     }
 
 
+# ---------------------------------------------------------------------------------------
+# optimizer step: megatron-core DDP + Adam (train_grpo) vs per-parameter all-reduce + torch Adam
+# ---------------------------------------------------------------------------------------
+
+OPTIMIZER_REPEATS = 7
+OPTIMIZER_SEQLENS = [16, 16]  # the gradients' values do not matter, only that every parameter has one
+
+
+def backward_once(model, input_ids, seqlens):
+    out = forward.forward_logprobs(model, input_ids, seqlens, with_entropy=True, mtp_train=True)
+    policy_loss(out.logprobs, out.entropy, out.loss_mask).backward()
+
+
+def measure_optimizer_step(checkpoint, threads):
+    """Runs in 2 spawned processes (data parallel 2): ms per gradient sync + clip + Adam step.
+
+    Ours: train_grpo.build_optimizer (megatron DDP's bucketed all-reduce into fp32 main_grad
+    buffers, megatron's Adam and global clip). Baseline: one all-reduce per parameter,
+    torch's clip_grad_norm_ and torch.optim.Adam. Same weights; each repeat runs an
+    untimed backward first.
+    """
+    import torch.distributed as dist
+
+    import train_grpo
+    torch.set_num_threads(threads)
+    _, world_size, _ = cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    cpu_backend.init_model_parallel(seed=0)
+    args = train_grpo.parse_args([])
+    seqlens = torch.tensor(OPTIMIZER_SEQLENS)
+    input_ids = torch.randint(0, tiny_model.VOCAB_SIZE, (int(seqlens.sum()),), generator=torch.Generator().manual_seed(0))
+    model = build_gpt_model(checkpoint)
+    plain = build_gpt_model(checkpoint)
+    plain.load_state_dict(model.state_dict())
+    ddp_model, optimizer = train_grpo.build_optimizer(model, args)
+    adam = torch.optim.Adam(plain.parameters(), lr=args.lr, betas=(0.9, 0.99), eps=train_grpo.ADAM_EPS)
+
+    def ours():
+        ddp_model.finish_grad_sync()
+        ddp_model.scale_gradients(world_size)
+        with cpu_backend.cuda_on_cpu():
+            optimizer.step()
+
+    def baseline():
+        for param in plain.parameters():
+            dist.all_reduce(param.grad)
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), args.grad_clip)
+        adam.step()
+
+    times = {"ours": [], "baseline": []}
+    for _ in range(OPTIMIZER_REPEATS + 1):  # the first (warm-up) repeat is dropped
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        backward_once(model, input_ids, seqlens)
+        adam.zero_grad(set_to_none=True)
+        backward_once(plain, input_ids, seqlens)
+        for name, step in (("ours", ours), ("baseline", baseline)):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    parameters = sum(param.numel() for param in plain.parameters())
+    return {name: 1000 * statistics.median(values[1:]) for name, values in times.items()}, parameters
+
+
+def row_optimizer_step():
+    with tempfile.TemporaryDirectory(prefix="bench-optimizer-") as directory:
+        checkpoint = tiny_model.build_tiny_mimo(directory, **WEIGHT_SYNC_SIZES)
+        results = run_in_processes(measure_optimizer_step, world_size=2, args=(checkpoint, torch.get_num_threads()))
+    # Ranks step together (collectives): the slower rank is the step time.
+    ours_ms = max(times["ours"] for times, _ in results)
+    baseline_ms = max(times["baseline"] for times, _ in results)
+    parameters = results[0][1]
+    return {
+        "row": "optimizer step",
+        "ours_ms": ours_ms,
+        "baseline_ms": baseline_ms,
+        "speedup": baseline_ms / ours_ms,
+        "notes": (f"data parallel 2 (2 processes), {parameters / 1e6:.0f}M fp32 parameters; gradient sync + clip + "
+                  f"Adam: megatron-core DDP + optimizer vs per-parameter all-reduce + torch Adam; median of "
+                  f"{OPTIMIZER_REPEATS}"),
+    }
+
+
 ROWS = {
     "pack_thd": row_pack_thd,
     "weight_sync_push": row_weight_sync_push,
     "forward_backward": row_forward_backward,
+    "optimizer_step": row_optimizer_step,
 }
 
 

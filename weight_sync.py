@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -448,9 +449,9 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     `weight_transfer_config=in_process_weight_transfer_config()`) one weight-update
     session per model runs through them; otherwise the tensors go to each model's
     `load_weights` inside the same layerwise reload. `weight_version` (a string) is
-    recorded as the engine's weight version (`llm.get_weight_version()`). vLLM logs
-    "Failed to load weights" for the draft's shared embedding and output layer and for
-    rotary caches: nothing is sent for them, and they keep their (current) values.
+    recorded as the engine's weight version (`llm.get_weight_version()`). Nothing is sent
+    for the draft's shared embedding and output layer or for rotary caches: they keep
+    their (current) values, and vLLM's warning that says so for each is filtered out.
     Returns a summary: {"entry_points": "public" | "load_weights", "tensors", "bytes",
     "buckets", "largest_bucket_bytes"}.
     """
@@ -474,19 +475,42 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     start_session = _start_public_session if transfer is not None else _start_load_weights_session
     summary = {"entry_points": "public" if transfer is not None else "load_weights", "tensors": 0, "bytes": 0,
                "buckets": 0, "largest_bucket_bytes": 0}
-    for layers in ("main", "mtp") if has_mtp_draft and model_has_mtp else ("main",):
-        load, finish = start_session(llm, layers)
-        for bucket in _buckets(megatron_to_hf(model, layers), bucket_bytes):
-            load(bucket)
-            bucket_size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-            summary["tensors"] += len(bucket)
-            summary["bytes"] += bucket_size
-            summary["buckets"] += 1
-            summary["largest_bucket_bytes"] = max(summary["largest_bucket_bytes"], bucket_size)
-        finish()
+    with _expected_reload_warnings_filtered():
+        for layers in ("main", "mtp") if has_mtp_draft and model_has_mtp else ("main",):
+            load, finish = start_session(llm, layers)
+            for bucket in _buckets(megatron_to_hf(model, layers), bucket_bytes):
+                load(bucket)
+                bucket_size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+                summary["tensors"] += len(bucket)
+                summary["bytes"] += bucket_size
+                summary["buckets"] += 1
+                summary["largest_bucket_bytes"] = max(summary["largest_bucket_bytes"], bucket_size)
+            finish()
     if weight_version is not None:
         llm.update_weight_version(weight_version)
     return summary
+
+
+# vLLM's layerwise reload warns "<layer>: Failed to load weights" for every layer that
+# received nothing; these never do (rotary caches are derived, the draft shares the
+# target's embedding and output layer), so their warnings would only bury real ones.
+LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+UNSENT_LAYERS = frozenset({"RotaryEmbedding", "VocabParallelEmbedding", "ParallelLMHead"})
+
+
+class _UnsentLayerWarnings(logging.Filter):
+    def filter(self, record):
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in UNSENT_LAYERS)
+
+
+@contextlib.contextmanager
+def _expected_reload_warnings_filtered():
+    logger, expected = logging.getLogger(LAYERWISE_RELOAD_LOGGER), _UnsentLayerWarnings()
+    logger.addFilter(expected)
+    try:
+        yield
+    finally:
+        logger.removeFilter(expected)
 
 
 def _start_public_session(llm, layers):
