@@ -286,7 +286,9 @@ def fix_cpu_draft_sampling():
     float output and drops it: the logits are divided by uninitialised memory, so samples
     at temperature > 0 are garbage (NaN log-probs, near-zero draft acceptance, reward
     collapse in RL) while greedy decoding is fine. This replaces the expansion with plain
-    torch on the CPU platform. Idempotent; a no-op on other platforms.
+    torch on the CPU platform. It patches this process: the engine core must run here
+    (`distributed_executor_backend="external_launcher"`, or
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0`). Idempotent; a no-op on other platforms.
     """
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler

@@ -2100,6 +2100,52 @@ def _optimizer_without_cuda_on_cpu(checkpoint):
     return None
 
 
+def _main_with_flags(flags):
+    """train_grpo.main in a world of one; the SystemExit message, or None if it returned."""
+    try:
+        train_grpo.main(train_grpo.parse_args(flags))
+    except SystemExit as error:
+        return str(error)
+    return None
+
+
+def test_train_grpo_refuses_mtp_rollout_on_a_model_without_mtp_layers(tmp_path):
+    model_dir = tiny_model.build_tiny_mimo(str(tmp_path / "no-mtp"), num_mtp_layers=0)
+    message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--mtp-rollout",
+                                                          "--out", str(tmp_path / "out")],))
+    assert message == (f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
+                       "pass --no-mtp-rollout")
+    message, = run_in_processes(_main_with_flags, args=(["--model", str(tmp_path / "missing")],))
+    assert "no config.json there" in message and "missing" in message
+
+
+def _non_finite_train_step(checkpoint):
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    args = train_grpo.parse_args(["--prompts-per-step", "2"])
+    model = build_gpt_model(checkpoint)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    ddp_model, optimizer = train_grpo.build_optimizer(model, args)
+    samples = _synthetic_samples(args)
+    for sample in samples:
+        sample["rollout_logprobs"] = [0.0] * len(sample["response_ids"])
+    samples[3]["advantages"] = torch.full_like(samples[3]["advantages"], float("nan"))
+    before = [param.detach().clone() for param in model.parameters()]
+    try:
+        train_grpo.train_step(model, ddp_model, None, optimizer, samples, args)
+    except FloatingPointError as error:
+        return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return None, None
+
+
+def test_train_step_stops_on_a_non_finite_loss_before_the_weights_change(tiny_checkpoint):
+    message, unchanged = run_in_processes(_non_finite_train_step, args=(tiny_checkpoint,))[0]
+    assert message is not None and message.startswith("non-finite loss at micro-batch 0")
+    assert unchanged
+
+
 def test_cpu_multi_tensor_scale_redirect_scales_in_place_and_copies_exactly():
     from megatron.core.optimizer import clip_grads, optimizer
     cpu_backend.install_cpu_redirects()
