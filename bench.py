@@ -19,12 +19,14 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 import cp_thd
 import cpu_backend
 import forward
 import mtp_patch
 import tiny_model
+import train_grpo
 import weight_sync
 from megatron_model import build_gpt_model
 from test_all import VLLM_ENV, run_in_processes
@@ -350,11 +352,6 @@ OPTIMIZER_REPEATS = 7
 OPTIMIZER_SEQLENS = [16, 16]  # the gradients' values do not matter, only that every parameter has one
 
 
-def backward_once(model, input_ids, seqlens):
-    out = forward.forward_logprobs(model, input_ids, seqlens, with_entropy=True, mtp_train=True)
-    policy_loss(out.logprobs, out.entropy, out.loss_mask).backward()
-
-
 def measure_optimizer_step(checkpoint, threads):
     """Runs in 2 spawned processes (data parallel 2): ms per gradient sync + clip + Adam step.
 
@@ -363,9 +360,6 @@ def measure_optimizer_step(checkpoint, threads):
     torch's clip_grad_norm_ and torch.optim.Adam. Same weights; each repeat runs an
     untimed backward first.
     """
-    import torch.distributed as dist
-
-    import train_grpo
     torch.set_num_threads(threads)
     _, world_size, _ = cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
@@ -395,9 +389,9 @@ def measure_optimizer_step(checkpoint, threads):
     for _ in range(OPTIMIZER_REPEATS + 1):  # the first (warm-up) repeat is dropped
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
-        backward_once(model, input_ids, seqlens)
+        thd_step(model, input_ids, seqlens, mtp_train=True)
         adam.zero_grad(set_to_none=True)
-        backward_once(plain, input_ids, seqlens)
+        thd_step(plain, input_ids, seqlens, mtp_train=True)
         for name, step in (("ours", ours), ("baseline", baseline)):
             dist.barrier()
             start = time.perf_counter()
