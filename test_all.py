@@ -2109,7 +2109,7 @@ def _main_with_flags(flags):
     return None
 
 
-def test_train_grpo_refuses_mtp_rollout_on_a_model_without_mtp_layers(tmp_path):
+def test_train_grpo_stops_on_bad_input_before_any_work(tmp_path):
     model_dir = tiny_model.build_tiny_mimo(str(tmp_path / "no-mtp"), num_mtp_layers=0)
     message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--mtp-rollout",
                                                           "--out", str(tmp_path / "out")],))
@@ -2117,6 +2117,12 @@ def test_train_grpo_refuses_mtp_rollout_on_a_model_without_mtp_layers(tmp_path):
                        "pass --no-mtp-rollout")
     message, = run_in_processes(_main_with_flags, args=(["--model", str(tmp_path / "missing")],))
     assert "no config.json there" in message and "missing" in message
+    message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--resume", str(tmp_path / "nothing")],))
+    assert message.startswith(f"--resume '{tmp_path / 'nothing'}': no rank0.pt there")
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "x" * 1100, "answer": "1"}) + "\n" + json.dumps({"prompt": "ok", "answer": "2"}))
+    message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--data", str(data)],))
+    assert message.startswith("1 prompt(s) do not fit the context of ") and "'xxxx" in message
 
 
 def _non_finite_train_step(checkpoint):

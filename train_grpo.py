@@ -439,6 +439,13 @@ def main(args):
     args.mtp_train = args.mtp_train and has_mtp
     use_bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     examples = load_jsonl(args.data) if args.data else None
+    if examples is not None:
+        from transformers import AutoTokenizer  # vLLM's own tokenizer loader, before vLLM starts
+        check_prompts(examples, AutoTokenizer.from_pretrained(model_dir).encode,
+                      hf_config.get("max_position_embeddings", 4096), args.max_new_tokens)
+    if args.resume and not os.path.isfile(os.path.join(args.resume, f"rank{rank}.pt")):
+        raise SystemExit(f"--resume {args.resume!r}: no rank{rank}.pt there; expected the checkpoint dir an "
+                         f"earlier run wrote (OUT/checkpoint) with the same number of processes")
 
     init_model_parallel(tensor_parallel=args.tp, context_parallel=args.cp, seed=args.seed)
     mtp_patch.patch_megatron_mtp()
@@ -468,8 +475,6 @@ def main(args):
 
     llm = build_engine(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
     tokenizer = llm.get_tokenizer()
-    if examples is not None:
-        check_prompts(examples, tokenizer.encode, hf_config.get("max_position_embeddings", 4096), args.max_new_tokens)
     if start_step:
         weight_sync.push_to_vllm(model, llm, weight_version=str(start_step))
     meter = spec_config.SpecDecodeMeter(llm) if args.mtp_rollout else None
