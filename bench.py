@@ -29,7 +29,7 @@ import tiny_model
 import train_grpo
 import weight_sync
 from megatron_model import build_gpt_model
-from test_all import VLLM_ENV, run_in_processes
+from harness import VLLM_ENV, run_in_processes
 
 COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
 TIMING_REPEATS = 5

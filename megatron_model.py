@@ -23,7 +23,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import TransformerConfig
 
-from cp_attention import ContextParallelTHDAttention
 
 # The MTP loss is added to the LM loss with this weight (divided by the number of MTP
 # layers). Set explicitly: up to megatron-core 0.15 the default is None and the MTP loss
@@ -119,9 +118,11 @@ def layer_spec_for(attention):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     if attention == "thd":
+        # Imported here: a Transformer Engine user copies this module without cp_attention.
+        from cp_attention import ContextParallelTHDAttention
         spec.submodules.self_attention.submodules.core_attention = ContextParallelTHDAttention
     elif attention != "local":
-        raise ValueError(f"attention={attention!r}; expected 'auto', 'te', 'thd' or 'local'")
+        raise ValueError(f"attention={attention!r}; expected 'te', 'thd' or 'local'")
     return spec
 
 

@@ -2,7 +2,7 @@
 
 Rollout with the model's own multi-token-prediction (MTP) head as the speculative draft
 is only worth it while drafts get accepted, so every rollout should report the
-acceptance rate. Two things live here:
+acceptance rate. Three things live here:
 
     from spec_config import build_mtp_speculative_config, SpecDecodeMeter
     llm = LLM(model=path, disable_log_stats=False,

@@ -3,114 +3,41 @@
     .venv/bin/python -m pytest test_all.py
 
 Anything that initialises torch.distributed, megatron-core's parallel state or a vLLM
-engine runs in freshly spawned processes (`run_in_processes`), so tests never share
-global state and multi-rank tests use real gloo process groups.
+engine runs in freshly spawned processes (`harness.run_in_processes`), so tests never
+share global state and multi-rank tests use real gloo process groups.
 """
 
-import concurrent.futures
 import dataclasses
 import gc
-import glob
 import importlib.metadata
-import inspect
-import io
 import json
 import logging
 import math
-import multiprocessing
 import os
-import queue
 import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import traceback
-import types
-import zipfile
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import cp_thd
 import cpu_backend
 import forward
+import mtp_matrix
 import mtp_patch
 import spec_config
 import tiny_model
 import weight_sync
+from harness import PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, requires_cuda, run_in_processes, to_host
+from mtp_matrix import MTP_BEHAVIOURS, MTP_MATRIX_PATH, MTP_RELATIVE_TOLERANCE, MTP_RELEASES, MTP_UPSTREAM_BROKEN
 from spec_config import SpecDecodeMeter, build_mtp_speculative_config
-
-PROCESS_TIMEOUT_SECONDS = 600
-# vLLM's engine core runs in the calling process: no extra processes, faster start.
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-# ---------------------------------------------------------------------------------------
-# Harness
-# ---------------------------------------------------------------------------------------
-
-def _process_entry(fn, args, rank, world_size, master_port, results):
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
-    # Two cores shared by world_size processes: more threads only contend.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        # As bytes: a tensor sent through the queue as-is lives in shared memory that
-        # vanishes when this process exits, before the parent may have read it.
-        buffer = io.BytesIO()
-        torch.save(fn(*args), buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_in_processes(fn, world_size=1, args=(), env=None, timeout=PROCESS_TIMEOUT_SECONDS):
-    """Run `fn(*args)` in `world_size` spawned processes with torchrun's environment set.
-
-    `fn` must be a module-level function; it calls `cpu_backend.init_distributed()` itself
-    if it needs a process group. `env` is set before the processes start (so that e.g.
-    CUDA_VISIBLE_DEVICES holds before anything imports). Returns the list of return values
-    by rank; a failure on any rank fails the caller with that rank's traceback.
-    """
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    master_port = cpu_backend.free_port()
-    processes = [context.Process(target=_process_entry, args=(fn, args, rank, world_size, master_port, results))
-                 for rank in range(world_size)]
-    saved_env = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
-        for process in processes:
-            process.start()
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-    by_rank, errors = {}, []
-    try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "ok":
-                by_rank[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
-    except queue.Empty:
-        errors.append(f"timed out after {timeout}s waiting for {world_size - len(by_rank)} rank(s)")
-    finally:
-        for process in processes:
-            process.join(timeout=5 if errors else 60)
-            if process.is_alive():
-                process.terminate()
-    if errors:
-        raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(errors))
-    return [by_rank[rank] for rank in range(world_size)]
 
 
 @pytest.fixture(scope="session")
@@ -1018,501 +945,13 @@ def test_build_mtp_speculative_config_checks_arguments_and_vllm_release(monkeypa
 
 
 # ---------------------------------------------------------------------------------------
-# mtp_patch: behaviour on six megatron-core releases, and the contract
+# mtp_patch: behaviour on six megatron-core releases (measured by mtp_matrix.py), and the contract
 # ---------------------------------------------------------------------------------------
-# Each release runs in its own Python process with the release's unzipped wheel first on
-# PYTHONPATH (0.17+ declare Python >= 3.12, but their pure-Python code runs on 3.11); the
-# wheels are fetched once per machine into .cache/ (gitignored). One process per release
-# builds the tiny models once and measures every behaviour unpatched and patched; the
-# tests assert on those values, and the run writes the README's table to
-# .cache/mtp_matrix.md. Tolerances: fp32 on CPU, 1e-5 relative where two computations
-# differ in order (recompute, a hand-written reference loss); identities are exact.
-
-MTP_RELEASES = ("0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
-MTP_BEHAVIOURS = {
-    "decoupled": "1. MTP loss trains only the MTP layers (decouple=True)",
-    "masked_shard": "2. per-token MTP loss; all-masked shard gives 0, finite grads",
-    "labels_none": "3. labels=None forward skips MTP",
-    "recompute": "4. full recompute through MTP layers",
-    "unchanged": "5. decouple=False: logits, loss, grads as unpatched",
-    "contract": "patch once, unpatch exactly, no signature probe per forward",
-}
-# What the unpatched release gets wrong; the tests check that the measurements catch it.
-MTP_UPSTREAM_BROKEN = {
-    "decoupled": set(MTP_RELEASES),
-    "masked_shard": {"0.14.0", "0.15.3", "0.16.1"},
-    "labels_none": set(MTP_RELEASES),
-    "recompute": {"0.16.1", "0.17.1", "0.18.2"},
-}
-MTP_TRUNK_PARTS = ("output_layer", "embedding", "decoder")  # GPTModel submodules outside `mtp`
-MTP_RELATIVE_TOLERANCE = 1e-5
-MTP_LOSS_SCALING_FACTOR = 0.3  # explicit: 0.14/0.15 default to None; != 0.1 so the scale is seen
-MTP_RELEASE_TIMEOUT_SECONDS = 600
-REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-MEGATRON_CACHE_DIR = os.path.join(REPO_DIR, ".cache")
-MTP_MATRIX_PATH = os.path.join(MEGATRON_CACHE_DIR, "mtp_matrix.md")
-
-
-# ---------------------------------------------------------------------------------------
-# Inside one release's process: tiny models, every behaviour unpatched and patched
-# ---------------------------------------------------------------------------------------
-
-def _gradients(model):
-    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
-
-
-def _max_abs(tensors):
-    return max((float(t.abs().max()) for t in tensors), default=0.0)
-
-
-def _norm(tensors):
-    return float(torch.stack([t.norm() for t in tensors]).norm())
-
-
-def _relative_difference(grads, reference):
-    """max |grads - reference| / max |reference|; a gradient on one side only counts in full."""
-    differences = [grads[name] - reference[name] for name in reference if name in grads]
-    one_sided = [grads[name] for name in set(grads) - set(reference)]
-    one_sided += [reference[name] for name in set(reference) - set(grads)]
-    return _max_abs(differences + one_sided) / max(_max_abs(reference.values()), 1e-30)
-
-
-def _attempt(measure, *args):
-    """measure(*args), or {"error": "..."} when the release raises."""
-    try:
-        return measure(*args)
-    except Exception as error:  # the release's own failure is a measurement here
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
-
-
-def _loss_and_gradients(model, batch, loss_mask):
-    model.zero_grad()
-    loss = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], loss_mask=loss_mask,
-                 **batch["extra"])
-    loss.sum().backward()
-    return loss.detach(), _gradients(model)
-
-
-def _mtp_only_gradients(model, batch, loss_mask):
-    """Gradients of the MTP loss alone: the main loss gets a zero gradient."""
-    model.zero_grad()
-    loss = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], loss_mask=loss_mask)
-    (loss * 0).sum().backward()
-    return _gradients(model)
-
-
-def _measure_decoupling(model, reference, batch):
-    """Where the MTP loss alone sends gradient; the trunk's gradient against the trunk alone."""
-    loss_mask = torch.ones_like(batch["labels"], dtype=torch.float32)
-    grads = _mtp_only_gradients(model, batch, loss_mask)
-    measured = {f"{part}_grad_max": _max_abs([g for name, g in grads.items() if name.startswith(part + ".")])
-                for part in MTP_TRUNK_PARTS}
-    measured["mtp_grad_norm"] = _norm([g for name, g in grads.items() if name.startswith("mtp.")])
-    _, grads = _loss_and_gradients(model, batch, loss_mask)
-    _, trunk_alone = _loss_and_gradients(reference, batch, loss_mask)
-    measured["trunk_vs_trunk_alone"] = _relative_difference(
-        {name: g for name, g in grads.items() if not name.startswith("mtp.")}, trunk_alone)
-    return measured
-
-
-def _roll(tensor):
-    rolled = torch.roll(tensor, -1, -1)
-    rolled[..., -1] = 0
-    return rolled
-
-
-def _mtp_gradient_against_hand_written_loss(model, batch, loss_mask):
-    """Relative difference of the MTP layers' gradient from the MTP loss alone and from
-
-        sum over depths k of  scale / layers * sum(mask_k * CE_k) / max(1, sum(mask_k))
-                              (* sum(mask) with calculate_per_token_loss)
-
-    where mask_k and the labels are rolled k times and CE_k uses depth k's hidden states.
-    """
-    config = model.config
-    captured = []
-    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.append(output))
-    model.zero_grad()
-    try:
-        loss = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], loss_mask=loss_mask)
-    finally:
-        hook.remove()
-    depth_outputs = torch.chunk(captured[-1], 1 + config.mtp_num_layers, dim=0)[1:]  # each [s, b, h]
-    output_weight = model.output_layer.weight.detach()
-    labels, mask, expected = batch["labels"], loss_mask, 0.0
-    for hidden in depth_outputs:
-        labels, mask = _roll(labels), _roll(mask)
-        per_token = F.cross_entropy(F.linear(hidden, output_weight).permute(1, 2, 0), labels, reduction="none")
-        depth_loss = config.mtp_loss_scaling_factor / config.mtp_num_layers * (mask * per_token).sum()
-        depth_loss = depth_loss / mask.sum().clamp(min=1)
-        if config.calculate_per_token_loss:
-            depth_loss = depth_loss * loss_mask.sum()
-        expected = expected + depth_loss
-    names, params = zip(*[(name, p) for name, p in model.named_parameters() if name.startswith("mtp.")])
-    expected_grads = torch.autograd.grad(expected, params, retain_graph=True, allow_unused=True)
-    (loss * 0).sum().backward()
-    grads = {name: g for name, g in _gradients(model).items() if name.startswith("mtp.")}
-    return _relative_difference(grads, {name: g for name, g in zip(names, expected_grads) if g is not None})
-
-
-def _measure_masked_shard(model, batch):
-    """A partial loss mask against the hand-written loss (both loss modes); an all-zero mask."""
-    loss_mask = torch.zeros_like(batch["labels"], dtype=torch.float32)
-    loss_mask[0, 2:9] = 1
-    loss_mask[1, :5] = 1  # position 0 rolls out: each depth counts fewer tokens than the mask
-    loss_mask[1, 11:] = 1
-    measured = {"normalisation_error": _mtp_gradient_against_hand_written_loss(model, batch, loss_mask)}
-    # The test flips the mode on the built model: the config is read at every forward.
-    model.config.calculate_per_token_loss = True
-    try:
-        measured["per_token_mode_error"] = _mtp_gradient_against_hand_written_loss(model, batch, loss_mask)
-    finally:
-        model.config.calculate_per_token_loss = False
-    _, grads = _loss_and_gradients(model, batch, torch.zeros_like(loss_mask))
-    measured["zero_mask_grads_finite"] = all(bool(torch.isfinite(g).all()) for g in grads.values())
-    measured["zero_mask_mtp_grad_max"] = _max_abs([g for name, g in grads.items() if name.startswith("mtp.")])
-    return measured
-
-
-def _measure_labels_none(model, reference, batch):
-    calls = []
-    hook = model.mtp.register_forward_hook(lambda *args: calls.append(1))
-    model.zero_grad()
-    try:
-        logits = model(batch["input_ids"], batch["position_ids"], None)
-    finally:
-        hook.remove()
-    logits.sum().backward()
-    with torch.no_grad():
-        reference_logits = reference(batch["input_ids"], batch["position_ids"], None)
-    return {
-        "shape": list(logits.shape),
-        "logits_difference": float((logits.detach() - reference_logits).abs().max()),
-        "mtp_layer_calls": len(calls),
-        "mtp_trained": _max_abs([g for name, g in _gradients(model).items() if name.startswith("mtp.")]) > 0,
-    }
-
-
-def _measure_recompute(plain, recompute, batch):
-    loss_mask = torch.ones_like(batch["labels"], dtype=torch.float32)
-    plain_loss, plain_grads = _loss_and_gradients(plain, batch, loss_mask)
-    loss, grads = _loss_and_gradients(recompute, batch, loss_mask)
-    return {
-        "loss_difference": float((loss - plain_loss).abs().max()),
-        "grad_difference": _relative_difference(grads, plain_grads),
-        "mtp_grad_norm": _norm([g for name, g in grads.items() if name.startswith("mtp.")]),
-    }
-
-
-def _measure_outputs(model, batch):
-    """Per-token loss and every gradient (labels, full mask); from 0.18 an output processor's result."""
-    loss, grads = _loss_and_gradients(model, batch, torch.ones_like(batch["labels"], dtype=torch.float32))
-    outputs = {"loss": loss, "grads": grads}
-    if "output_processor" in inspect.signature(type(model).forward).parameters:
-        def logits_processor(hidden_states, output_layer, output_weight, runtime_gather_output, **unused):
-            return output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)[0]
-        with torch.no_grad():
-            outputs["processed"] = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
-                                         output_processor=logits_processor)
-    return outputs
-
-
-def _compare_outputs(patched, unpatched):
-    measured = {
-        "loss_difference": float((patched["loss"] - unpatched["loss"]).abs().max()),
-        "grad_difference": _relative_difference(patched["grads"], unpatched["grads"]),
-    }
-    if "processed" in unpatched:
-        measured["output_processor_difference"] = float((patched["processed"] - unpatched["processed"]).abs().max())
-    return measured
-
-
-def _measure_contract(model, batch):
-    """Counts and identities of patch/unpatch, and signature probes made per forward."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
-    originals = (vars(GPTModel)["_postprocess"], vars(MultiTokenPredictionLayer)["_checkpointed_forward"])
-    measured = {"patch": mtp_patch.patch_megatron_mtp(), "patch_again": mtp_patch.patch_megatron_mtp()}
-    try:
-        mtp_patch.patch_megatron_mtp(decouple=False)
-        measured["other_options_error"] = None
-    except RuntimeError as error:
-        measured["other_options_error"] = str(error)
-    probes = []
-
-    def counted_signature(*args, **kwargs):
-        probes.append(args)
-        return inspect.signature(*args, **kwargs)
-
-    real_inspect = mtp_patch.inspect
-    mtp_patch.inspect = types.SimpleNamespace(signature=counted_signature)
-    try:
-        mtp_patch.unpatch_megatron_mtp()
-        measured["repatch"] = mtp_patch.patch_megatron_mtp()
-        measured["probes_when_patching"] = len(probes)
-        probes.clear()
-        _loss_and_gradients(model, batch, torch.ones_like(batch["labels"], dtype=torch.float32))
-        measured["probes_per_forward"] = len(probes)
-    finally:
-        mtp_patch.inspect = real_inspect
-    measured["unpatch"] = mtp_patch.unpatch_megatron_mtp()
-    measured["unpatch_again"] = mtp_patch.unpatch_megatron_mtp()
-    measured["originals_restored"] = (vars(GPTModel)["_postprocess"] is originals[0]
-                                      and vars(MultiTokenPredictionLayer)["_checkpointed_forward"] is originals[1])
-    # A release without a function the patches need: refused whole, nothing replaced.
-    delattr(MultiTokenPredictionLayer, "_checkpointed_forward")
-    try:
-        mtp_patch.patch_megatron_mtp()
-        measured["missing_piece_error"] = None
-    except RuntimeError as error:
-        measured["missing_piece_error"] = str(error)
-    finally:
-        MultiTokenPredictionLayer._checkpointed_forward = originals[1]
-    measured["untouched_after_refusal"] = vars(GPTModel)["_postprocess"] is originals[0]
-    return measured
-
-
-def _packed_batch(vocab_size):
-    """Two sequences (7 and 9 tokens) packed into one THD row."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-    lengths = (7, 9)
-    total = sum(lengths)
-    input_ids = torch.randint(3, vocab_size, (1, total), generator=torch.Generator().manual_seed(1))
-    cu_seqlens = torch.tensor([0, lengths[0], total], dtype=torch.int32)
-    fields = {field.name for field in dataclasses.fields(PackedSeqParams)}
-    values = dict(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, cu_seqlens_q_padded=cu_seqlens,
-                  cu_seqlens_kv_padded=cu_seqlens, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-    return {
-        "input_ids": input_ids,
-        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-        "labels": torch.roll(input_ids, -1, dims=1),
-        "extra": {"packed_seq_params": PackedSeqParams(**{k: v for k, v in values.items() if k in fields})},
-    }
-
-
-def _mtp_release_measurements():
-    """Every measurement on the megatron-core this process imports (run in a fresh process)."""
-    import cpu_backend
-    import tiny_model
-    from megatron.core import package_info
-    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
-    from megatron_model import build_gpt_model
-
-    cpu_backend.init_distributed()
-    cpu_backend.init_model_parallel(seed=1234)
-    config = tiny_model.mimo_config(num_mtp_layers=2)
-    # megatron's own attention for padded batches; packed (THD) batches need cp_attention's.
-    options = {"mtp_loss_scaling_factor": MTP_LOSS_SCALING_FACTOR, "attention": "local"}
-    model = build_gpt_model(config, **options)
-    recompute_model = build_gpt_model(config, recompute=True, **options)
-    reference = build_gpt_model(config, mtp=False, **options)  # the trunk alone, same weights
-    recompute_model.load_state_dict(model.state_dict())
-    assert not reference.load_state_dict(model.state_dict(), strict=False).missing_keys
-    input_ids = torch.randint(3, config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": input_ids, "position_ids": torch.arange(16).expand(2, 16),
-             "labels": torch.roll(input_ids, -1, dims=1), "extra": {}}
-    recompute_cases = {"padded": (model, recompute_model, batch)}
-    # 0.14/0.15 MTP layers assert packed_seq_params is None: no packed sequences there.
-    # Packed sequences make recompute carry a non-tensor (PackedSeqParams) through the MTP layer.
-    if "packed_seq_params" in inspect.signature(MultiTokenPredictionLayer._get_embeddings).parameters:
-        options["attention"] = "thd"
-        packed_model = build_gpt_model(config, **options)
-        packed_recompute = build_gpt_model(config, recompute=True, **options)
-        packed_model.load_state_dict(model.state_dict())
-        packed_recompute.load_state_dict(model.state_dict())
-        recompute_cases["packed"] = (packed_model, packed_recompute, _packed_batch(config["vocab_size"]))
-
-    def measure_all():
-        return {
-            "decoupled": _attempt(_measure_decoupling, model, reference, batch),
-            "masked_shard": _attempt(_measure_masked_shard, model, batch),
-            "labels_none": _attempt(_measure_labels_none, model, reference, batch),
-            "recompute": {case: _attempt(_measure_recompute, *models) for case, models in recompute_cases.items()},
-        }
-
-    unpatched = measure_all()
-    unpatched_outputs = _measure_outputs(model, batch)
-    contract = _measure_contract(model, batch)
-    mtp_patch.patch_megatron_mtp(decouple=False)
-    coupled = _attempt(_measure_decoupling, model, reference, batch)
-    unchanged = _compare_outputs(_measure_outputs(model, batch), unpatched_outputs)
-    # 0.14 - 0.16 give no logits with MTP layers unpatched; the trunk alone does, on every release.
-    with torch.no_grad():
-        logits = model(batch["input_ids"], batch["position_ids"], None)
-        unchanged["logits_vs_trunk_alone"] = float((logits - reference(batch["input_ids"], batch["position_ids"],
-                                                                         None)).abs().max())
-    mtp_patch.unpatch_megatron_mtp()
-    mtp_patch.patch_megatron_mtp()
-    patched = measure_all()
-    mtp_patch.unpatch_megatron_mtp()
-    return {
-        "version": package_info.__version__,
-        "megatron_path": os.path.dirname(package_info.__file__),
-        "unpatched": unpatched,
-        "patched": dict(patched, unchanged=unchanged, coupled=coupled, contract=contract),
-    }
-
-
-def _mtp_release_child(out_path):
-    """Entry point of one release's process: measurements as JSON to `out_path`."""
-    torch.set_num_threads(1)
-    try:
-        import megatron.core  # noqa: F401 (does this release import here at all?)
-    except Exception as error:
-        result = {"unavailable": f"megatron-core does not import: {type(error).__name__}: {error}"}
-    else:
-        result = _mtp_release_measurements()
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-
-
-# ---------------------------------------------------------------------------------------
-# Verdicts: the same checks for the table and the tests
-# ---------------------------------------------------------------------------------------
-
-def _mtp_failures(behaviour, m):
-    """What is wrong with `m`, one behaviour's measurements; [] when the behaviour holds."""
-    if "error" in m:
-        return [m["error"]]
-    if behaviour == "recompute":  # one measurement per batch layout (padded, packed)
-        return [f"{case}: {failure}" for case, measured in m.items()
-                for failure in _mtp_failures("recompute_case", measured)]
-    tolerance = MTP_RELATIVE_TOLERANCE
-    failures = []
-
-    def expect(holds, message):
-        if not holds:
-            failures.append(message)
-
-    if behaviour in ("decoupled", "coupled"):
-        reached = [part for part in MTP_TRUNK_PARTS if m[f"{part}_grad_max"] != 0.0]
-        if behaviour == "coupled":  # decouple=False: the MTP loss trains everything, as upstream
-            expect(reached == list(MTP_TRUNK_PARTS), f"MTP loss trains only {reached}")
-        else:
-            expect(not reached, f"MTP loss trains {', '.join(reached)}")
-            expect(m["mtp_grad_norm"] > 0, "MTP layers get no gradient")
-            expect(m["trunk_vs_trunk_alone"] <= tolerance,
-                   f"trunk gradient differs from the trunk alone by {m['trunk_vs_trunk_alone']:.1e}")
-    elif behaviour == "masked_shard":
-        expect(m["normalisation_error"] <= tolerance,
-               f"MTP gradient differs from per-token loss x scale/layers by {m['normalisation_error']:.1e}")
-        expect(m["per_token_mode_error"] <= tolerance,
-               f"calculate_per_token_loss: MTP gradient off by {m['per_token_mode_error']:.1e}")
-        expect(m["zero_mask_grads_finite"], "non-finite gradients with an all-zero mask")
-        expect(not m["zero_mask_grads_finite"] or m["zero_mask_mtp_grad_max"] == 0.0,
-               f"MTP gradient {m['zero_mask_mtp_grad_max']:.1e} with an all-zero mask")
-    elif behaviour == "labels_none":
-        expect(m["logits_difference"] <= tolerance, f"logits differ from the trunk's by {m['logits_difference']:.1e}")
-        expect(not m["mtp_layer_calls"], "runs the MTP layers")
-        expect(not m["mtp_trained"], "trains the MTP layers (labels derived from input_ids)")
-    elif behaviour == "recompute_case":
-        expect(m["loss_difference"] <= tolerance, f"loss differs from no recompute by {m['loss_difference']:.1e}")
-        expect(m["grad_difference"] <= tolerance, f"gradients differ from no recompute by {m['grad_difference']:.1e}")
-        expect(m["mtp_grad_norm"] > 0, "MTP layers get no gradient")
-    elif behaviour == "unchanged":  # exact: the same operations in the same order
-        for name, value in m.items():
-            expect(value == 0.0, f"{name} {value:.1e}")
-    elif behaviour == "contract":
-        counts = [m[key] for key in ("patch", "patch_again", "repatch", "unpatch", "unpatch_again")]
-        expect(counts == [2, 0, 2, 2, 0], f"patch, again, unpatch+patch, unpatch, again returned {counts}")
-        expect(m["other_options_error"] is not None, "patching with other options while patched was accepted")
-        expect(m["originals_restored"], "original functions not restored")
-        expect(m["probes_per_forward"] == 0, f"{m['probes_per_forward']} signature probes per forward")
-        expect(m["probes_when_patching"] > 0, "no probes counted when patching (counter broken)")
-        expect(m["missing_piece_error"] is not None, "a missing function was not refused")
-        expect(m["untouched_after_refusal"], "half-patched after a refusal")
-    else:
-        raise ValueError(f"unknown behaviour {behaviour!r}")
-    return failures
-
-
-def _mtp_cell(result, behaviour):
-    if "unavailable" in result:
-        return "cannot run: " + result["unavailable"].replace("|", "/")
-    if "crashed" in result:
-        return "FAIL: the release's process crashed (see the test log)"
-    failures = _mtp_failures(behaviour, result["patched"][behaviour])
-    if failures:
-        return "FAIL: " + "; ".join(failures)
-    cell = "pass"
-    if behaviour == "recompute" and "packed" not in result["patched"]["recompute"]:
-        cell += " (padded batches; this release's MTP refuses packed sequences)"
-    if behaviour in result["unpatched"]:
-        upstream = _mtp_failures(behaviour, result["unpatched"][behaviour])
-        if upstream:
-            cell += " (upstream: " + "; ".join(upstream) + ")"
-    return cell.replace("|", "/")
-
-
-def _mtp_matrix_markdown(results):
-    behaviours = list(MTP_BEHAVIOURS)
-    lines = ["| megatron-core | " + " | ".join(MTP_BEHAVIOURS[b] for b in behaviours) + " |",
-             "|---" * (1 + len(behaviours)) + "|"]
-    for release in MTP_RELEASES:
-        lines.append(f"| {release} | " + " | ".join(_mtp_cell(results[release], b) for b in behaviours) + " |")
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------
-# Releases: fetched once per machine, one process each
-# ---------------------------------------------------------------------------------------
-
-def _megatron_release_dir(release):
-    """(PYTHONPATH entry holding release's `megatron` package, None) or (None, why it cannot run)."""
-    target = os.path.join(MEGATRON_CACHE_DIR, f"megatron-core-{release}")
-    if os.path.exists(os.path.join(target, "megatron", "core", "__init__.py")):
-        return target, None
-    wheel_dir = os.path.join(MEGATRON_CACHE_DIR, "megatron-wheels")
-    wheels = glob.glob(os.path.join(wheel_dir, f"megatron_core-{release}-*.whl"))
-    if not wheels:
-        # 0.17+ publish wheels for Python >= 3.12 only; ask for those for every release.
-        download = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-             "--python-version", "3.12", f"megatron-core=={release}", "-d", wheel_dir],
-            capture_output=True, text=True, timeout=300)
-        wheels = glob.glob(os.path.join(wheel_dir, f"megatron_core-{release}-*.whl"))
-        if not wheels:
-            return None, f"no wheel: pip download megatron-core=={release} failed: {download.stderr.strip()[-300:]}"
-    unpacked = tempfile.mkdtemp(prefix=f"megatron-core-{release}-", dir=MEGATRON_CACHE_DIR)
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        wheel.extractall(unpacked)
-    try:
-        os.rename(unpacked, target)
-    except OSError:  # another session unpacked it first
-        shutil.rmtree(unpacked)
-    return target, None
-
-
-def _run_mtp_release(release):
-    """One release's measurements from a fresh process; {"unavailable": why} or {"crashed": what} instead."""
-    release_dir, why = _megatron_release_dir(release)
-    if release_dir is None:
-        return {"unavailable": why}
-    with tempfile.TemporaryDirectory() as scratch:
-        out_path = os.path.join(scratch, "measurements.json")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([release_dir, REPO_DIR]))
-        command = f"import {__name__} as tests; tests._mtp_release_child({out_path!r})"
-        process = subprocess.run([sys.executable, "-c", command], cwd=REPO_DIR, env=env, capture_output=True,
-                                 text=True, timeout=MTP_RELEASE_TIMEOUT_SECONDS)
-        if process.returncode != 0 or not os.path.exists(out_path):
-            return {"crashed": f"rc {process.returncode}: {process.stderr[-4000:]}"}
-        with open(out_path) as f:
-            result = json.load(f)
-    if "version" in result and result["version"].split("+")[0] != release:
-        return {"crashed": f"imported megatron-core {result['version']} from {result['megatron_path']}"}
-    return result
-
 
 @pytest.fixture(scope="module")
 def mtp_release_results():
-    """Measurements by release, all releases in parallel (one process per core); writes the table."""
-    workers = max(1, min(len(MTP_RELEASES), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        results = dict(zip(MTP_RELEASES, pool.map(_run_mtp_release, MTP_RELEASES)))
-    os.makedirs(MEGATRON_CACHE_DIR, exist_ok=True)
-    with open(MTP_MATRIX_PATH, "w") as f:
-        f.write(_mtp_matrix_markdown(results))
-    return results
+    """Measurements by release (mtp_matrix runs each in its own process); writes README's table."""
+    return mtp_matrix.run_all_releases()
 
 
 def _measured(results, release):
@@ -1522,16 +961,11 @@ def _measured(results, release):
         pytest.fail(f"megatron-core {release}: the measuring process crashed, {results[release]['crashed']}")
     return results[release]
 
-
-# ---------------------------------------------------------------------------------------
-# Tests
-# ---------------------------------------------------------------------------------------
-
 def _assert_fixes_upstream(result, release, behaviour):
-    failures = _mtp_failures(behaviour, result["patched"][behaviour])
+    failures = mtp_matrix.behaviour_failures(behaviour, result["patched"][behaviour])
     assert not failures, f"megatron-core {release}, {MTP_BEHAVIOURS[behaviour]}: {failures}"
     # The same checks on the unpatched release catch the bug the patch guards against.
-    upstream = _mtp_failures(behaviour, result["unpatched"][behaviour])
+    upstream = mtp_matrix.behaviour_failures(behaviour, result["unpatched"][behaviour])
     assert bool(upstream) == (release in MTP_UPSTREAM_BROKEN[behaviour]), upstream
 
 
@@ -1540,7 +974,7 @@ def test_mtp_decoupled_loss_trains_only_mtp_layers(mtp_release_results, release)
     result = _measured(mtp_release_results, release)
     _assert_fixes_upstream(result, release, "decoupled")
     # decouple=False is the opt-in: the MTP loss reaches the output layer, embedding and trunk.
-    assert not _mtp_failures("coupled", result["patched"]["coupled"]), result["patched"]["coupled"]
+    assert not mtp_matrix.behaviour_failures("coupled", result["patched"]["coupled"]), result["patched"]["coupled"]
 
 
 @pytest.mark.parametrize("release", MTP_RELEASES)
@@ -1570,7 +1004,7 @@ def test_mtp_full_recompute_matches_no_recompute(mtp_release_results, release):
 def test_mtp_patch_changes_nothing_else_when_coupled(mtp_release_results, release):
     result = _measured(mtp_release_results, release)
     unchanged = result["patched"]["unchanged"]
-    assert not _mtp_failures("unchanged", unchanged), unchanged
+    assert not mtp_matrix.behaviour_failures("unchanged", unchanged), unchanged
     assert ("output_processor_difference" in unchanged) == (tuple(map(int, release.split("."))) >= (0, 18))
 
 
@@ -1578,7 +1012,7 @@ def test_mtp_patch_changes_nothing_else_when_coupled(mtp_release_results, releas
 def test_mtp_patch_is_idempotent_exact_and_all_or_nothing(mtp_release_results, release):
     result = _measured(mtp_release_results, release)
     contract = result["patched"]["contract"]
-    assert not _mtp_failures("contract", contract), contract
+    assert not mtp_matrix.behaviour_failures("contract", contract), contract
     assert release in contract["missing_piece_error"] and "_checkpointed_forward" in contract["missing_piece_error"]
     assert "decouple" in contract["other_options_error"]
 
@@ -1619,17 +1053,6 @@ WEIGHT_SYNC_BUCKET_BYTES = 2**20
 # fp32 on CPU: the same math in two implementations agrees to ~1e-6 per log-prob.
 LOGPROB_TOLERANCE = 1e-4
 SAME_ENGINE_LOGPROB_TOLERANCE = 1e-5
-
-
-def _to_host(tree):
-    """`tree` with tensors detached, in fp32, on the CPU: what a spawned process returns."""
-    if torch.is_tensor(tree):
-        return tree.detach().float().cpu()
-    if isinstance(tree, dict):
-        return {key: _to_host(value) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_to_host(value) for value in tree]
-    return tree
 
 
 def _per_token_loss(model, token_ids):
@@ -1706,7 +1129,7 @@ def _round_trip(checkpoint, bad_checkpoint):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
     results["tp2_engine_differences"], results["tp2_engine_tokens"] = _logprob_differences(engine, greedy, model)
     del engine  # shut vLLM down while its process groups still exist
-    return _to_host(results)
+    return to_host(results)
 
 
 def test_round_trip_is_bit_exact_at_tp1_and_tp2_and_a_tp1_trainer_feeds_a_tp2_engine(tiny_checkpoint, tmp_path):
@@ -1864,7 +1287,7 @@ def _push_into_vllm(checkpoint, saved_dir):
         eh_proj.copy_(weight_sync._swap_halves(eh_proj))
     weight_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     result["unswapped_eh_proj"] = _greedy(fallback, SamplingParams)
-    return _to_host(result)
+    return to_host(result)
 
 
 def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_checkpoint, tmp_path):
@@ -1935,7 +1358,7 @@ def _drafted_sampling(checkpoint):
         differences, _ = _logprob_differences(engine, params, model)
         counts = _counter_difference(_raw_spec_counters(engine), before)
         result[name] = {"differences": differences, "accepted": counts[2], "draft_tokens": counts[1]}
-    return _to_host(result)
+    return to_host(result)
 
 
 def test_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
@@ -1979,7 +1402,7 @@ def test_train_grpo_runs_syncs_and_resumes(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert "step 3/3" in stdout and "eta" in stdout
     for record in resumed:
-        for key in ("reward_mean", "policy_loss", "entropy", "grad_norm", "mtp_loss", "acceptance_rate",
+        for key in ("reward_mean", "total_loss", "entropy", "grad_norm", "mtp_loss", "acceptance_rate",
                     "logprob_mismatch_mean", "tokens_per_s"):
             assert math.isfinite(record[key]), (key, record)
         assert record["logprob_mismatch_max"] < TRAIN_MISMATCH_BOUND
@@ -2009,18 +1432,75 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
         weights = train_grpo.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)
         assert weights[0] == 0 and weights[3] == 0
     assert train_grpo.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
-    args = train_grpo.parse_args([])
-    with pytest.raises(SystemExit, match="--tp 3 x --cp 1 = 3 does not divide the world size 2"):
-        train_grpo.check_layout(train_grpo.parse_args(["--tp", "3"]), world_size=2)
-    train_grpo.check_layout(args, world_size=2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
     with pytest.raises(SystemExit, match="line 2"):
         train_grpo.load_jsonl(str(bad))
-    with pytest.raises(SystemExit, match="no such file"):
-        train_grpo.load_jsonl(str(tmp_path / "missing.jsonl"))
     with pytest.raises(SystemExit, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
         train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}], list, 8, 4)
+
+
+# One flag per kind of rejection, and what its message must say.
+BAD_FLAGS = {
+    "range": (["--temperature", "0"], "--temperature 0.0: expected a number > 0"),
+    "choice": (["--loss-agg", "median"], "argument --loss-agg: invalid choice: 'median'"),
+    "missing file": (["--data", "missing.jsonl"], "--data 'missing.jsonl': no such file"),
+    "bad JSON": (["--spec-config", "{tokens: 2}"], "--spec-config '{tokens: 2}': "),
+}
+
+
+def _refuse_process_group(*args, **kwargs):
+    raise AssertionError("the process group was started before the flags were checked")
+
+
+@pytest.mark.parametrize("kind", BAD_FLAGS)
+def test_train_grpo_rejects_a_bad_flag_before_the_process_group(kind, tmp_path, monkeypatch):
+    flags, expected = BAD_FLAGS[kind]
+    # The check comes before the process group, so before any model or engine.
+    monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.main(train_grpo.parse_args(["--out", str(tmp_path / "out"), *flags]))
+    assert expected in str(refused.value.code)
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_non_zero(tmp_path):
+    flags, expected = BAD_FLAGS["range"]
+    started = time.perf_counter()
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "train_grpo.py", "--out", str(tmp_path / "out"), *flags], cwd=REPO_DIR,
+                             capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    print(f"refused in {time.perf_counter() - started:.1f} s")
+    output = process.stdout + process.stderr
+    assert process.returncode != 0
+    assert output.count(expected) == 1, output[-3000:]
+    # torchrun's failure summary lists each local rank that exited non-zero.
+    assert sorted(re.findall(r"\[(\d)\]:\s+time\s+:", output)) == ["0", "1"], output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
+    problems = train_grpo.flag_problems(train_grpo.parse_args(
+        ["--steps", "0", "--lr", "-1", "--clip-low", "1.5", "--dual-clip", "1", "--kl-coef", "nan"]), world_size=2)
+    assert problems == ["--steps 0: expected a number >= 1", "--lr -1.0: expected a number > 0",
+                        "--clip-low 1.5: expected a number < 1",
+                        "--dual-clip 1.0: expected a number > 1 (it bounds the loss of negative advantages from "
+                        "below at dual-clip x advantage)", "--kl-coef nan: expected a finite number"]
+    assert train_grpo.flag_problems(train_grpo.parse_args([]), world_size=2) == []
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--tp", "3"]), world_size=2) == [
+        "--tp 3 x --cp 1 = 3: expected a divisor of the world size 2"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--spec-config", '{"num_speculative_tokens": 0}']), 2) \
+        == ["--spec-config '{\"num_speculative_tokens\": 0}': num_speculative_tokens must be an int >= 1, got 0"]
+    no_mtp = tiny_model.build_tiny_mimo(str(tmp_path / "no-mtp"), num_mtp_layers=0)
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", no_mtp, "--mtp-rollout"]), 2) == [
+        f"--mtp-rollout: {no_mtp} has no MTP layers (num_nextn_predict_layers is 0); pass --no-mtp-rollout"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
+        f"--tp 4: expected a divisor of {no_mtp}'s 2 key/value heads"]
+    missing = str(tmp_path / "missing")
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", missing, "--resume", missing]), 2) == [
+        f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",
+        f"--resume {missing!r}: no rank0.pt there; expected the checkpoint dir an earlier run wrote "
+        "(OUT/checkpoint) with the same number of processes (2)"]
 
 
 TRAIN_STEP_PROMPT_LENGTH = 6
@@ -2059,14 +1539,14 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
     args = train_grpo.parse_args(["--prompts-per-step", str(8 // dp_size), "--micro-batches", str(2 // dp_size)])
     model = build_gpt_model(checkpoint, params_dtype=getattr(torch, dtype_name))
     weight_sync.load_hf_into_megatron(model, checkpoint)
-    ddp_model, optimizer = train_grpo.build_optimizer(model, args)
+    policy = train_grpo.Policy(model, *train_grpo.build_optimizer(model, args))
     initial = torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])
     samples = _synthetic_samples(train_grpo.parse_args(["--prompts-per-step", "8"]))
     before = _response_logprobs(model, samples)
     for sample, logprobs in zip(samples, before):
         sample["rollout_logprobs"] = logprobs.tolist()
     mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
-    totals = [train_grpo.train_step(model, ddp_model, None, optimizer, mine, args) for _ in range(steps)]
+    totals = [train_grpo.train_step(policy, mine, args) for _ in range(steps)]
     change = torch.stack([(a - b).mean() for a, b in zip(_response_logprobs(model, samples), before)])
     result = {"totals": totals, "positive_change": change[1::2].mean().item(),
               "negative_change": change[0::2].mean().item(), "dtype": str(next(model.parameters()).dtype),
@@ -2107,20 +1587,11 @@ def _main_with_flags(flags):
     return None
 
 
-def test_train_grpo_stops_on_bad_input_before_any_work(tmp_path):
-    model_dir = tiny_model.build_tiny_mimo(str(tmp_path / "no-mtp"), num_mtp_layers=0)
-    message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--mtp-rollout",
-                                                          "--out", str(tmp_path / "out")],))
-    assert message == (f"--mtp-rollout: {model_dir} has no MTP layers (num_nextn_predict_layers is 0); "
-                       "pass --no-mtp-rollout")
-    message, = run_in_processes(_main_with_flags, args=(["--model", str(tmp_path / "missing")],))
-    assert "no config.json there" in message and "missing" in message
-    message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--resume", str(tmp_path / "nothing")],))
-    assert message.startswith(f"--resume '{tmp_path / 'nothing'}': no rank0.pt there")
+def test_train_grpo_stops_on_prompts_longer_than_the_context_before_any_model(tmp_path):
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"prompt": "x" * 1100, "answer": "1"}) + "\n" + json.dumps({"prompt": "ok", "answer": "2"}))
-    message, = run_in_processes(_main_with_flags, args=(["--model", model_dir, "--data", str(data)],))
-    assert message.startswith("1 prompt(s) do not fit the context of ") and "'xxxx" in message
+    message, = run_in_processes(_main_with_flags, args=(["--data", str(data), "--out", str(tmp_path / "out")],))
+    assert message.startswith("train_grpo.py: 1 prompt(s) do not fit the context of ") and "'xxxx" in message
 
 
 def _non_finite_train_step(checkpoint):
@@ -2131,14 +1602,14 @@ def _non_finite_train_step(checkpoint):
     args = train_grpo.parse_args(["--prompts-per-step", "2"])
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
-    ddp_model, optimizer = train_grpo.build_optimizer(model, args)
+    policy = train_grpo.Policy(model, *train_grpo.build_optimizer(model, args))
     samples = _synthetic_samples(args)
     for sample in samples:
         sample["rollout_logprobs"] = [0.0] * len(sample["response_ids"])
     samples[3]["advantages"] = torch.full_like(samples[3]["advantages"], float("nan"))
     before = [param.detach().clone() for param in model.parameters()]
     try:
-        train_grpo.train_step(model, ddp_model, None, optimizer, samples, args)
+        train_grpo.train_step(policy, samples, args)
     except FloatingPointError as error:
         return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return None, None
@@ -2193,7 +1664,7 @@ def test_bf16_train_step_learns_and_saves_a_hf_checkpoint(tiny_checkpoint, tmp_p
     for step in result["totals"]:
         assert all(math.isfinite(value) for value in step.values()), step
     # The "rollout" log-probs came from this model before the first step, packed otherwise.
-    assert result["totals"][0]["mismatch_max"] < BF16_LOGPROB_MAX_ERROR
+    assert result["totals"][0]["logprob_mismatch_max"] < BF16_LOGPROB_MAX_ERROR
     assert result["totals"][0]["mtp_loss"] > 0
     # Positive advantages gain probability, negative ones lose it.
     assert result["positive_change"] > 0 > result["negative_change"]
@@ -2206,7 +1677,6 @@ def test_bf16_train_step_learns_and_saves_a_hf_checkpoint(tiny_checkpoint, tmp_p
 
 # A string condition: evaluated at test time, so a spawned child importing this module
 # does not initialise CUDA before its CUDA_VISIBLE_DEVICES is set.
-requires_cuda = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 CUDA_FP32_TOLERANCE = 1e-4  # TF32 off; other kernels and reduction orders than the CPU's
 BF16_LOGPROB_MAX_ERROR = 0.05  # bf16 weights and activations vs the fp32 CPU path
@@ -2224,7 +1694,7 @@ def _cuda_forward(checkpoint, full_state, dtype_name):
     cpu_backend.init_distributed()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    result = _to_host(_run_forward(checkpoint, full_state, dtype=getattr(torch, dtype_name)))
+    result = to_host(_run_forward(checkpoint, full_state, dtype=getattr(torch, dtype_name)))
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return result
 

@@ -1,0 +1,100 @@
+"""Test plumbing shared by test_all.py and bench.py: fresh processes with torchrun's environment.
+
+Anything that initialises torch.distributed, megatron-core's parallel state or a vLLM
+engine runs in freshly spawned processes (`run_in_processes`), so callers never share
+global state and multi-rank code runs over real gloo process groups. Imports torch,
+the standard library and cpu_backend (pytest only inside `requires_cuda`), so `import bench` stays
+free of the test suite.
+"""
+
+import io
+import multiprocessing
+import os
+import queue
+import traceback
+
+import torch
+
+from cpu_backend import free_port
+
+PROCESS_TIMEOUT_SECONDS = 600
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+# vLLM's engine core runs in the calling process: no extra processes, faster start.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _process_entry(fn, args, rank, world_size, master_port, results):
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+    # Two cores shared by world_size processes: more threads only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        # As bytes: a tensor sent through the queue as-is lives in shared memory that
+        # vanishes when this process exits, before the parent may have read it.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_in_processes(fn, world_size=1, args=(), env=None, timeout=PROCESS_TIMEOUT_SECONDS):
+    """Run `fn(*args)` in `world_size` spawned processes with torchrun's environment set.
+
+    `fn` must be a module-level function; it calls `cpu_backend.init_distributed()` itself
+    if it needs a process group. `env` is set before the processes start (so that e.g.
+    CUDA_VISIBLE_DEVICES holds before anything imports). Returns the list of return values
+    by rank; a failure on any rank fails the caller with that rank's traceback.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    master_port = free_port()
+    processes = [context.Process(target=_process_entry, args=(fn, args, rank, world_size, master_port, results))
+                 for rank in range(world_size)]
+    saved_env = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+    by_rank, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "ok":
+                by_rank[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s waiting for {world_size - len(by_rank)} rank(s)")
+    finally:
+        for process in processes:
+            process.join(timeout=5 if errors else 60)
+            if process.is_alive():
+                process.terminate()
+    if errors:
+        raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(errors))
+    return [by_rank[rank] for rank in range(world_size)]
+
+
+def to_host(tree):
+    """`tree` with tensors detached, in fp32, on the CPU: what a spawned process returns."""
+    if torch.is_tensor(tree):
+        return tree.detach().float().cpu()
+    if isinstance(tree, dict):
+        return {key: to_host(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [to_host(value) for value in tree]
+    return tree
+
+
+def requires_cuda(test):
+    """pytest marker: skip `test` where no CUDA GPU answers."""
+    import pytest
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
