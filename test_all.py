@@ -1440,6 +1440,136 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
         train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}], list, 8, 4)
 
 
+POLICY_LOSS_ARGS = SimpleNamespace(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0)
+
+
+def test_policy_loss_clips_low_high_and_dual_by_hand():
+    # Ratios 1.5, 0.5, 1.1, 0.5, 5.0 against the old policy; vLLM agrees with it (TIS weight 1).
+    ratios = torch.tensor([1.5, 0.5, 1.1, 0.5, 5.0])
+    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
+    logprobs = ratios.log().requires_grad_()
+    old = torch.zeros(5)
+    loss, acted = train_grpo.policy_loss(logprobs, old, old, advantages, POLICY_LOSS_ARGS)
+    # 1.5, A>0: clipped at 1.28 (high); 0.5, A<0: clipped at 0.8 (low); 1.1: inside; 0.5, A>0: the
+    # pessimistic unclipped -0.5; 5.0, A<0: 5 capped by the dual clip at 3.
+    torch.testing.assert_close(loss, torch.tensor([-1.28, 0.8, -1.1, -0.5, 3.0]))
+    assert acted["clip_high"].tolist() == [1, 0, 0, 0, 0]
+    assert acted["clip_low"].tolist() == [0, 1, 0, 0, 0]
+    assert acted["dual_clip"].tolist() == [0, 0, 0, 0, 1]
+    loss.sum().backward()
+    # d(-A r)/d log p = -A r where nothing clipped; 0 where a clip or the dual bound holds.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, 0.0, -1.1, -0.5, 0.0]))
+    # Clipping only one side: a wide high clip lets 1.5 through, a wide low one lets 0.5 through.
+    wide_high = SimpleNamespace(**dict(vars(POLICY_LOSS_ARGS), clip_high=1.0))
+    wide_low = SimpleNamespace(**dict(vars(POLICY_LOSS_ARGS), clip_low=0.6))
+    assert train_grpo.policy_loss(ratios.log(), old, old, advantages, wide_high)[0][0].item() == pytest.approx(-1.5)
+    assert train_grpo.policy_loss(ratios.log(), old, old, advantages, wide_low)[0][1].item() == pytest.approx(0.5)
+
+
+def test_policy_loss_truncated_importance_sampling_by_hand():
+    logprobs, old = torch.zeros(3), torch.zeros(3)
+    # p_old / p_vllm = 3 (capped at 2), 0.5, 1.
+    rollout = torch.tensor([-math.log(3.0), math.log(2.0), 0.0])
+    loss, _ = train_grpo.policy_loss(logprobs, old, rollout, torch.ones(3), POLICY_LOSS_ARGS)
+    torch.testing.assert_close(loss, torch.tensor([-2.0, -0.5, -1.0]))
+    off = SimpleNamespace(**dict(vars(POLICY_LOSS_ARGS), tis_cap=0.0))
+    torch.testing.assert_close(train_grpo.policy_loss(logprobs, old, rollout, torch.ones(3), off)[0], -torch.ones(3))
+
+
+def test_loss_aggregation_and_advantage_modes_by_hand():
+    # Two sequences of 3 and 4 tokens with 2 and 3 response predictions; 2 sequences, 5 tokens.
+    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1, 1, 1]), torch.tensor([3, 4])
+    expected = {"token-mean": [0, 0.2, 0.2, 0, 0.2, 0.2, 0.2],
+                "seq-mean-token-sum": [0, 0.5, 0.5, 0, 0.5, 0.5, 0.5],
+                "seq-mean-token-mean": [0, 0.25, 0.25, 0, 1 / 6, 1 / 6, 1 / 6]}
+    for mode, weights in expected.items():
+        torch.testing.assert_close(train_grpo.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=5),
+                                   torch.tensor(weights))
+    # A group of 4 with rewards 1, 0.5, 0, 0.5: mean 0.5, unbiased std sqrt(1/6).
+    rewards = torch.tensor([1.0, 0.5, 0.0, 0.5])
+    std = math.sqrt(1 / 6) + train_grpo.ADVANTAGE_EPS
+    expected = {"grpo": [0.5 / std, 0, -0.5 / std, 0], "mean-only": [0.5, 0, -0.5, 0],
+                "leave-one-out": [2 / 3, 0, -2 / 3, 0]}
+    for mode, advantages in expected.items():
+        torch.testing.assert_close(train_grpo.group_advantages(rewards, 4, mode), torch.tensor(advantages))
+
+
+def test_held_out_prompts_are_never_sampled_for_training():
+    args = train_grpo.parse_args([])
+    training, held_out = train_grpo.split_examples(None, None, seed=0)
+    sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
+    assert sampled == {f"repeat:{letter}" for letter in train_grpo.TASK_ALPHABET}
+    assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(train_grpo.EVAL_ALPHABET)
+    examples = [{"prompt": f"q{i}", "answer": str(i)} for i in range(50)]
+    training, held_out = train_grpo.split_examples(examples, None, seed=0)
+    assert len(held_out) == 5 and len(training) == 45
+    assert train_grpo.split_examples(examples, None, seed=0) == (training, held_out)  # fixed by the seed
+    sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
+    assert not sampled & {e["prompt"] for e in held_out} and len(sampled) == 45
+    given = [{"prompt": "other", "answer": "1"}]
+    assert train_grpo.split_examples(examples, given, seed=0) == (examples, given)
+
+
+REWARD_FILE = """
+def letter_a(prompt, response, answer):
+    return response.count("a") / max(len(response), 1)
+
+def per_token(prompt, response, answer):
+    return [float(c == "a") for c in response]
+
+def one_argument(response):
+    return 0.0
+
+def raises(prompt, response, answer):
+    raise ValueError("no answer here")
+
+def not_finite(prompt, response, answer):
+    return float("nan")
+"""
+
+
+def test_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARD_FILE)
+    assert train_grpo.load_reward_function(f"{path}:letter_a")("p", "aab", "x") == pytest.approx(2 / 3)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module\n")
+    expected = {f"{tmp_path}/missing.py:f": "no such file",
+                f"{path}:absent": "has no function 'absent'",
+                f"{path}:one_argument": "one_argument(response) cannot be called as one_argument(prompt, response, answer)",
+                f"{broken}:f": "does not import (ModuleNotFoundError",
+                str(path): "expected FILE.py:FUNCTION"}
+    for spec, message in expected.items():
+        problems = train_grpo.flag_problems(train_grpo.parse_args(["--reward", spec]), world_size=2)
+        assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
+    # At step time (every rank scores every sample, before the optimizer step).
+    sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
+    args = train_grpo.parse_args(["--reward", f"{path}:raises"])
+    for name, said in (("raises", "raised ValueError: no answer here"), ("not_finite", "returned nan")):
+        args.reward = f"{path}:{name}"
+        with pytest.raises(SystemExit) as stopped:
+            train_grpo.credits_of(sample, None, train_grpo.load_reward_function(args.reward), args)
+        message = str(stopped.value.code)
+        assert said in message and "prompt 'repeat:a', response 'abc'" in message and "before the weights" in message
+    args.reward = f"{path}:per_token"
+    assert train_grpo.credits_of(sample, None, train_grpo.load_reward_function(args.reward), args) == [1.0, 0.0, 0.0]
+    sample["response_ids"] = [1, 2]
+    with pytest.raises(SystemExit, match="returned 3 per-token rewards for 2 response tokens"):
+        train_grpo.credits_of(sample, None, train_grpo.load_reward_function(args.reward), args)
+
+
+def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARD_FILE)
+    records, stdout = _train(str(tmp_path / "run"), "--steps", "2", "--eval-every", "1", "--reward",
+                             f"{path}:letter_a")
+    assert [r["step"] for r in records] == [1, 2] and "eval acc" in stdout
+    for record in records:
+        # letter_a gives a fraction in [0, 1]; per-character credit would give multiples of 1/3.
+        assert 0 <= record["reward_mean"] <= 1 and 0 <= record["eval_reward_mean"] <= 1
+        assert 0 <= record["eval_accuracy"] <= 1 and record["eval_response_length"] == 3
+
+
 # One flag per kind of rejection, and what its message must say.
 BAD_FLAGS = {
     "range": (["--temperature", "0"], "--temperature 0.0: expected a number > 0"),
@@ -1550,7 +1680,7 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
     change = torch.stack([(a - b).mean() for a, b in zip(_response_logprobs(model, samples), before)])
     result = {"totals": totals, "positive_change": change[1::2].mean().item(),
               "negative_change": change[0::2].mean().item(), "dtype": str(next(model.parameters()).dtype),
-              "device": str(next(model.parameters()).device),
+              "device": str(next(model.parameters()).device), "backend": torch.distributed.get_backend(),
               "weights": torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])}
     result["weights_moved"] = (result["weights"] - initial).abs().max().item()
     if saved_dir is not None:
@@ -1561,6 +1691,48 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
                                          zip(model.state_dict().values(), reloaded.state_dict().values())
                                          if torch.is_tensor(a))
     return result
+
+
+CLIP_TIGHT, CLIP_LOOSE = 1e-3, 0.99
+
+
+def _weights_after_train(checkpoint, mini_batches_and_clips):
+    """train_grpo.train on one synthetic rollout batch from the same start for each
+    (mini_batches, clip): the weights after it, and the metrics."""
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    model = build_gpt_model(checkpoint)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    start = {name: tensor.clone() for name, tensor in model.state_dict().items() if torch.is_tensor(tensor)}
+    samples = _synthetic_samples(train_grpo.parse_args(["--prompts-per-step", "4"]))
+    for sample, logprobs in zip(samples, _response_logprobs(model, samples)):
+        sample["rollout_logprobs"] = logprobs.tolist()
+    results = []
+    for mini_batches, clip in mini_batches_and_clips:
+        model.load_state_dict(start, strict=False)
+        args = train_grpo.parse_args(["--prompts-per-step", "4", "--micro-batches", "1", "--lr", "1e-3",
+                                      "--mini-batches", str(mini_batches), "--clip-low", str(clip),
+                                      "--clip-high", str(clip)])
+        policy = train_grpo.Policy(model, *train_grpo.build_optimizer(model, args))
+        metrics = train_grpo.train(policy, [dict(sample) for sample in samples], args)
+        results.append({"weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                        "clip_fraction": metrics["clip_fraction"] / metrics["tokens"],
+                        "ratio_max": metrics["ratio_max"]})
+    return results
+
+
+def test_the_clip_acts_only_with_several_optimizer_steps_per_rollout(tiny_checkpoint):
+    one_tight, one_loose, two_tight, two_loose = run_in_processes(_weights_after_train, args=(
+        tiny_checkpoint, [(1, CLIP_TIGHT), (1, CLIP_LOOSE), (2, CLIP_TIGHT), (2, CLIP_LOOSE)]))[0]
+    # One optimizer step: the ratio is exactly 1, the clip changes nothing.
+    assert one_tight["clip_fraction"] == 0 and one_tight["ratio_max"] == 1.0
+    assert torch.equal(one_tight["weights"], one_loose["weights"])
+    # Two mini-batches: the second step's ratio moved, the tight clip zeroes its gradients.
+    print(f"clip fraction {two_tight['clip_fraction']:.3f}, ratio max {two_tight['ratio_max']:.4f}")
+    assert two_tight["clip_fraction"] > 0 and two_loose["clip_fraction"] == 0 and two_tight["ratio_max"] > 1
+    assert (two_tight["weights"] - two_loose["weights"]).abs().max() > 1e-5
 
 
 def _optimizer_without_cuda_on_cpu(checkpoint):
@@ -1722,3 +1894,23 @@ def test_cuda_forward_fp32_and_bf16_match_the_cpu_path(tiny_checkpoint):
     for key, grad in reference["grads"].items():
         if grad.abs().sum() > 0:
             assert _cosine(bf16["grads"][key], grad) > BF16_GRADIENT_COSINE, key
+
+
+@requires_cuda
+def test_cuda_bf16_train_step_over_nccl_with_megatron_ddp(tiny_checkpoint, tmp_path):
+    """One rank, NCCL, megatron-core DDP and optimizer, bf16 weights on the GPU."""
+    result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
+    print(f"{torch.cuda.get_device_name()} bf16 train step over {result['backend']}: rewarded "
+          f"{result['positive_change']:+.3f} nats, penalised {result['negative_change']:+.3f}, "
+          f"grad norms {[round(step['grad_norm'], 4) for step in result['totals']]}")
+    assert result["backend"] == "nccl" and result["device"].startswith("cuda")
+    assert result["positive_change"] > 0 > result["negative_change"] and result["reload_identical"]
+
+
+def test_gpu_check_says_no_gpu_and_runs_nothing_without_one():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU answers here: gpu_check.sh runs the CUDA tests instead")
+    process = subprocess.run(["bash", "gpu_check.sh"], cwd=REPO_DIR, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHON=sys.executable))
+    assert process.returncode == 0 and process.stdout.startswith("gpu_check.sh: no GPU here"), process
+    assert "passed" not in process.stdout

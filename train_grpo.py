@@ -27,6 +27,8 @@ is a number).
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -50,6 +52,11 @@ from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, build_gpt_model, loa
 
 DEFAULT_MODEL_DIR = os.path.join("runs", "tiny-mimo")
 TASK_ALPHABET = "abcde"
+# Letters training never sees: held-out accuracy on them says whether the policy learned
+# to copy the last letter or memorised five answers.
+EVAL_ALPHABET = "fghij"
+EVAL_HOLDOUT_FRACTION = 0.1
+EVAL_HOLDOUT_MAX = 256
 TASK_LENGTH = 3
 PROBE_PROMPT = "repeat:a"
 PROBE_TOKENS = 4
@@ -74,6 +81,15 @@ def parse_args(argv=None):
     p = _ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="MiMo-style HF checkpoint dir; default: the built-in tiny model")
     p.add_argument("--data", default=None, help="JSONL of {prompt, answer}; default: the built-in repeat task")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out JSONL of {prompt, answer}; default: the built-in task's held-out letters, or "
+                        f"with --data a fixed {EVAL_HOLDOUT_FRACTION:.0%} of it (at most {EVAL_HOLDOUT_MAX}) that "
+                        "training never samples")
+    p.add_argument("--eval-every", type=int, default=25,
+                   help="greedy accuracy and mean reward on the held-out set every N steps (and after the last)")
+    p.add_argument("--reward", default=None, metavar="FILE.py:FUNCTION",
+                   help="your reward: FUNCTION(prompt: str, response: str, answer: str) -> float or a list of "
+                        "per-token floats; default: per-character credit (built-in task), exact match (--data)")
     p.add_argument("--out", default="runs/grpo", help="metrics.jsonl, curves.png, checkpoints, final HF dir")
     p.add_argument("--resume", default=None, help="a checkpoint dir written by an earlier run (OUT/checkpoint)")
     p.add_argument("--steps", type=int, default=150, help="training steps (one rollout batch each)")
@@ -87,7 +103,12 @@ def parse_args(argv=None):
                    help="response length limit (the built-in task always samples exactly this many)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (> 0)")
     p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
-    p.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches per step")
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="gradient accumulation micro-batches per optimizer step (per mini-batch)")
+    p.add_argument("--mini-batches", type=int, default=1,
+                   help="optimizer steps per pass over the rollout batch; > 1 (or --ppo-epochs > 1) makes the PPO "
+                        "ratio move and the clip act")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--advantage", choices=["grpo", "mean-only", "leave-one-out"], default="grpo",
                    help="group baseline: mean/std (GRPO), mean only (Dr. GRPO), leave-one-out mean")
@@ -127,7 +148,8 @@ def parse_args(argv=None):
 # flag -> (bound, whether the bound itself is allowed)
 AT_LEAST = {"steps": (1, True), "tp": (1, True), "cp": (1, True), "rollout_tp": (1, True),
             "prompts_per_step": (1, True), "group_size": (2, True), "max_new_tokens": (1, True),
-            "micro_batches": (1, True), "num_speculative_tokens": (1, True), "save_every": (1, True),
+            "micro_batches": (1, True), "mini_batches": (1, True), "ppo_epochs": (1, True),
+            "eval_every": (1, True), "num_speculative_tokens": (1, True), "save_every": (1, True),
             "kv_cache_bytes": (1, True), "temperature": (0, False), "lr": (0, False), "grad_clip": (0, False),
             "gpu_memory_utilization": (0, False), "clip_low": (0, True), "clip_high": (0, True),
             "dual_clip": (1, False), "tis_cap": (0, True), "kl_coef": (0, True), "entropy_coef": (0, True),
@@ -161,13 +183,16 @@ def flag_problems(args, world_size):
     if world_size % args.rollout_tp:
         problems.append(f"--rollout-tp {args.rollout_tp}: expected a divisor of the world size {world_size}")
     sequences = args.prompts_per_step * args.group_size
-    if sequences % args.micro_batches:
-        problems.append(f"--micro-batches {args.micro_batches}: expected a divisor of the {sequences} sequences "
-                        f"per step (--prompts-per-step x --group-size)")
+    if sequences % (args.mini_batches * args.micro_batches):
+        problems.append(f"--mini-batches {args.mini_batches} x --micro-batches {args.micro_batches}: expected a "
+                        f"divisor of the {sequences} sequences per step (--prompts-per-step x --group-size)")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         problems.append(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint dir")
-    if args.data is not None and not os.path.isfile(args.data):
-        problems.append(f"--data {args.data!r}: no such file; expected a JSONL file of {{prompt, answer}} lines")
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is not None and not os.path.isfile(path):
+            problems.append(f"{flag} {path!r}: no such file; expected a JSONL file of {{prompt, answer}} lines")
+    if args.reward is not None:
+        problems += reward_problems(args.reward)
     if args.resume is not None:
         missing = [f"rank{rank}.pt" for rank in range(world_size)
                    if not os.path.isfile(os.path.join(args.resume, f"rank{rank}.pt"))]
@@ -258,6 +283,66 @@ def reward(response, answer):
         return float(response == answer.strip())
 
 
+def load_reward_function(spec):
+    """--reward FILE.py:FUNCTION -> the function, after checking that the file exists and
+    imports, that FUNCTION exists there, and that it takes (prompt, response, answer).
+    Raises ValueError naming the file and the function."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"--reward {spec!r}: expected FILE.py:FUNCTION")
+    if not os.path.isfile(path):
+        raise ValueError(f"--reward {spec!r}: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"reward_{os.path.basename(path).rsplit('.', 1)[0]}", path)
+    if module_spec is None:
+        raise ValueError(f"--reward {spec!r}: {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise ValueError(f"--reward {spec!r}: {path} does not import ({type(error).__name__}: {error})") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"--reward {spec!r}: {path} has no function {name!r}")
+    try:
+        inspect.signature(function).bind("prompt", "response", "answer")
+    except TypeError as error:
+        raise ValueError(f"--reward {spec!r}: {name}{inspect.signature(function)} cannot be called as "
+                         f"{name}(prompt, response, answer) ({error})") from None
+    return function
+
+
+def reward_problems(spec):
+    try:
+        load_reward_function(spec)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def credits_of(sample, tokenizer, reward_function, args):
+    """One completion's credit: a list of floats, one per response token (per-token credit)
+    or a single one (a sequence reward). A user's reward that raises or returns anything
+    but finite floats stops the run here, before the weights change."""
+    example, response = sample["example"], sample["text"]
+    if reward_function is None:
+        if args.data is None:
+            return token_credits(sample["response_ids"], tokenizer.encode(example["answer"], add_special_tokens=False))
+        return [reward(response, example["answer"])]
+    where = f"--reward {args.reward} on prompt {example['prompt'][:80]!r}, response {response[:80]!r}"
+    try:
+        value = reward_function(example["prompt"], response, example["answer"])
+    except Exception as error:
+        raise usage_error(f"{where} raised {type(error).__name__}: {error}; stopped before the weights changed")
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, (list, tuple)) and len(values) != len(sample["response_ids"]):
+        raise usage_error(f"{where} returned {len(values)} per-token rewards for {len(sample['response_ids'])} "
+                          "response tokens; expected one per token or a single float")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise usage_error(f"{where} returned {value!r}; expected a finite float or a list of them; stopped before "
+                          "the weights changed")
+    return [float(v) for v in values]
+
+
 def group_advantages(rewards, group_size, mode):
     """[N] or [N, L] rewards, N in consecutive groups -> advantages of the same shape (fp32).
 
@@ -295,16 +380,27 @@ def token_weights(loss_mask, seqlens, mode, num_sequences, num_tokens):
 
 
 def policy_loss(logprobs, old_logprobs, rollout_logprobs, advantages, args):
-    """Per-token PPO loss with separate low/high clip, dual clip and truncated IS; [T] tensors."""
+    """Per-token PPO loss with separate low/high clip, dual clip and truncated IS.
+
+    All inputs [T] fp32: log-probs under the policy being trained (with grad), under the
+    policy that sampled (old, Megatron's numerics) and under vLLM (rollout), advantages.
+    ratio = p / p_old is clipped to [1 - clip_low, 1 + clip_high] the PPO way; for
+    negative advantages the loss is also capped at -advantage x dual_clip; the whole is
+    weighted by min(p_old / p_rollout, tis_cap) (truncated importance sampling, no grad).
+    Returns (loss [T], where the clips acted: {"clip_low", "clip_high", "dual_clip"} [T]
+    0/1 fp32). clip_low + clip_high is the usual clip fraction.
+    """
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - args.clip_low, 1 + args.clip_high)
     loss = torch.maximum(unclipped, clipped)
-    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * args.dual_clip), loss)
+    dual_bound = -advantages * args.dual_clip
+    acted = {"clip_low": (clipped > unclipped) & (advantages < 0), "clip_high": (clipped > unclipped) & (advantages > 0),
+             "dual_clip": (advantages < 0) & (loss > dual_bound)}
+    loss = torch.where(advantages < 0, torch.minimum(loss, dual_bound), loss)
     if args.tis_cap > 0:
         loss = loss * torch.exp(old_logprobs - rollout_logprobs).clamp(max=args.tis_cap).detach()
-    clipped_fraction = (clipped > unclipped).float()
-    return loss, clipped_fraction
+    return loss, {name: where.float() for name, where in acted.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,30 +509,43 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
+def split_examples(examples, eval_examples, seed):
+    """(training pool, held-out set). The built-in task (examples None) trains on
+    TASK_ALPHABET and holds out EVAL_ALPHABET; --data without --eval-data holds out a
+    fixed, seeded EVAL_HOLDOUT_FRACTION of its examples (at most EVAL_HOLDOUT_MAX), which
+    training never samples."""
+    if examples is None:
+        return None, [{"prompt": f"repeat:{letter}", "answer": letter * TASK_LENGTH} for letter in EVAL_ALPHABET]
+    if eval_examples is not None:
+        return examples, eval_examples
+    if len(examples) < 2:
+        raise usage_error(f"--data has {len(examples)} example; expected at least 2 to hold some out for "
+                          "evaluation, or pass --eval-data")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    held_out = max(1, min(EVAL_HOLDOUT_MAX, round(EVAL_HOLDOUT_FRACTION * len(examples))))
+    return [examples[i] for i in sorted(order[held_out:])], [examples[i] for i in sorted(order[:held_out])]
+
+
 def sample_prompts(examples, step, args, dp_size):
     """The step's examples (`--prompts-per-step` per data-parallel rank), the same on every
-    rank: drawn from a generator seeded by (seed, step) alone."""
+    rank: drawn from the training pool by a generator seeded by (seed, step) alone."""
     step_rng = random.Random(args.seed * 1_000_003 + step)
     return [builtin_example(step_rng) if examples is None else step_rng.choice(examples)
             for _ in range(args.prompts_per_step * dp_size)]
 
 
-def rollout(llm, examples, args, rank):
-    """All of the step's examples -> (samples, outputs): `--group-size` completions per
+def rollout(llm, examples, params, args, rank):
+    """All of the step's examples -> (samples, outputs): `params.n` completions per
     example, in example order, on every rank; `outputs` are this engine's RequestOutputs.
 
     Each vLLM engine (a rollout tensor-parallel group) samples a slice of the step's
     examples; the slices are gathered so every trainer rank can take its own. A sample is
     {example, prompt_ids, response_ids, text, rollout_logprobs}.
     """
-    from vllm import SamplingParams
     num_engines = dist.get_world_size() // args.rollout_tp
     engine, engine_rank = rank // args.rollout_tp, rank % args.rollout_tp
     share = examples[engine::num_engines]
-    # The built-in task's answers have a fixed length: no end-of-sequence to learn first.
-    # Special tokens stay in the text, so the reward sees (and penalises) them.
-    params = SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            logprobs=0, ignore_eos=args.data is None, skip_special_tokens=False)
     outputs = llm.generate([e["prompt"] for e in share], params, use_tqdm=False) if share else []
     mine = []
     for example, output in zip(share, outputs):
@@ -452,14 +561,22 @@ def rollout(llm, examples, args, rank):
     ordered = []
     for index in range(len(examples)):
         engine, position = index % num_engines, index // num_engines
-        ordered.extend(by_engine[engine][position * args.group_size:(position + 1) * args.group_size])
+        ordered.extend(by_engine[engine][position * params.n:(position + 1) * params.n])
     return ordered, outputs
+
+
+def sampling_params(args, n, temperature):
+    from vllm import SamplingParams
+    # The built-in task's answers have a fixed length: no end-of-sequence to learn first.
+    # Special tokens stay in the text, so the reward sees (and penalises) them.
+    return SamplingParams(n=n, temperature=temperature, max_tokens=args.max_new_tokens, logprobs=0,
+                          ignore_eos=args.data is None, skip_special_tokens=False)
 
 
 def generate(llm, meter, examples, args, rank):
     """The rollout phase: completions, this engine's draft acceptance (None without
     drafting), and vLLM put to sleep on a GPU so Megatron gets its memory."""
-    samples, outputs = rollout(llm, examples, args, rank)
+    samples, outputs = rollout(llm, examples, sampling_params(args, args.group_size, args.temperature), args, rank)
     acceptance = meter.read(outputs) if meter is not None else None
     if torch.cuda.is_available():
         # Level 2 drops vLLM's weights (every sync pushes them all again); level 1 keeps a
@@ -468,54 +585,87 @@ def generate(llm, meter, examples, args, rank):
     return samples, acceptance
 
 
-def score(samples, tokenizer, args):
-    """Rewards [N] fp32 and each sample's per-token advantages (set on the sample).
+def score(samples, tokenizer, reward_function, args):
+    """Rewards [N] fp32 (each completion's mean credit) and each sample's per-token
+    advantages (set on the sample).
 
     Built-in task: per-character credit baselined per answer position; --data: one
-    exact-match reward per completion, spread over its tokens.
+    exact-match reward per completion, spread over its tokens; --reward: the user's, per
+    completion or per token. Per-token credits of unequal lengths are zero-padded for the
+    per-position group baseline.
     """
-    if args.data is None:
-        credits = torch.tensor([token_credits(s["response_ids"], tokenizer.encode(
-            s["example"]["answer"], add_special_tokens=False)) for s in samples])         # [N, L]
-    else:
-        credits = torch.tensor([[reward(s["text"], s["example"]["answer"])] for s in samples])  # [N, 1]
+    rows = [credits_of(sample, tokenizer, reward_function, args) for sample in samples]
+    lengths = [len(row) for row in rows]
+    credits = torch.tensor([row + [0.0] * (max(lengths) - len(row)) for row in rows])          # [N, L]
     advantages = group_advantages(credits, args.group_size, args.advantage)
-    for sample, advantage in zip(samples, advantages):
-        sample["advantages"] = advantage.expand(len(sample["response_ids"]))
-    return credits.mean(1)
+    for sample, advantage, length in zip(samples, advantages, lengths):
+        sample["advantages"] = advantage[:length].expand(len(sample["response_ids"]))
+    return torch.stack([row[:length].mean() for row, length in zip(credits, lengths)])
+
+
+def evaluate(llm, held_out, tokenizer, reward_function, args, rank):
+    """Greedy completions of the held-out examples, scored like training's:
+    {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
+    samples, _ = rollout(llm, held_out, sampling_params(args, 1, 0.0), args, rank)
+    rewards = torch.tensor([sum(row) / len(row) for row in
+                            (credits_of(sample, tokenizer, reward_function, args) for sample in samples)])
+    return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
+            "eval_response_length": sum(len(s["response_ids"]) for s in samples) / len(samples)}
 
 
 def pack_micro_batch(samples, device):
     """Samples -> packed tensors on `device`: input_ids [T] int64, seqlens [B] int64, and
-    loss_mask, advantages, rollout_logprobs [T] fp32, each at the position that predicts
-    its response token (position i predicts token i + 1)."""
+    loss_mask, advantages, rollout_logprobs, old_logprobs [T] fp32, each at the position
+    that predicts its response token (position i predicts token i + 1); old_logprobs is
+    None until `record_old_logprobs` has run."""
     sequences = [s["prompt_ids"] + s["response_ids"] for s in samples]
     seqlens = torch.tensor([len(ids) for ids in sequences])
     input_ids = torch.tensor([token for ids in sequences for token in ids])
-    loss_mask, advantages, rollout_logprobs = (torch.zeros(len(input_ids)) for _ in range(3))
+    with_old = "old_logprobs" in samples[0]
+    loss_mask, advantages, rollout_logprobs, old_logprobs = (torch.zeros(len(input_ids)) for _ in range(4))
     offset = 0
     for sample, length in zip(samples, seqlens.tolist()):
         first, last = offset + len(sample["prompt_ids"]) - 1, offset + length - 1
         loss_mask[first:last] = 1.0
         advantages[first:last] = sample["advantages"]
         rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
+        if with_old:
+            old_logprobs[first:last] = sample["old_logprobs"]
         offset += length
     # Built on the host, moved once.
-    return [tensor.to(device) for tensor in (input_ids, seqlens, loss_mask, advantages, rollout_logprobs)]
+    packed = [tensor.to(device) for tensor in (input_ids, seqlens, loss_mask, advantages, rollout_logprobs)]
+    return packed + [old_logprobs.to(device) if with_old else None]
+
+
+@torch.no_grad()
+def record_old_logprobs(policy, samples, args):
+    """Set each sample's "old_logprobs" ([response length] fp32, on the host): its response
+    log-probs under the current weights, the policy that sampled it, at Megatron's numerics.
+    One no-grad forward per micro-batch, before the first update."""
+    per_micro = len(samples) // (args.mini_batches * args.micro_batches)
+    device = next(policy.model.parameters()).device
+    for start in range(0, len(samples), per_micro):
+        micro = samples[start:start + per_micro]
+        input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
+        logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
+                                    temperature=args.temperature, gather=True).logprobs.float().cpu()
+        for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
+            sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
 
 
 def micro_batch_loss(policy, samples, num_sequences, num_tokens, args, sums):
     """Forward one micro-batch; returns its loss (a scalar: its share of the global mean)
     and adds its metric sums (over this rank's tokens) into `sums` by name."""
     device = next(policy.model.parameters()).device
-    input_ids, seqlens, loss_mask, advantages, rollout_logprobs = pack_micro_batch(samples, device)
+    input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = pack_micro_batch(samples, device)
     weights = token_weights(loss_mask, seqlens, args.loss_agg, num_sequences, num_tokens)
     out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=args.temperature,
                            with_entropy=True, mtp_train=args.mtp_train)
     batch, local_mask = out.batch, out.loss_mask
-    old_logprobs = out.logprobs.detach()
+    # One optimizer step per rollout batch: this forward is the policy that sampled it.
+    old_logprobs = out.logprobs.detach() if old_logprobs is None else batch.pack(old_logprobs)
     local_rollout, local_weights = batch.pack(rollout_logprobs), batch.pack(weights)
-    per_token, clipped = policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages), args)
+    per_token, acted = policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages), args)
     loss = (per_token * local_weights).sum()
     if args.entropy_coef > 0:
         loss = loss - args.entropy_coef * (out.entropy * local_weights).sum()
@@ -528,8 +678,18 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, args, sums):
         loss = loss + args.kl_coef * (k3 * local_weights).sum()
         sums["kl_to_reference"] += float((k3 * local_mask).sum())
     mismatch = (old_logprobs - local_rollout).abs() * local_mask
+    log_ratio = out.logprobs.detach() - old_logprobs
+    ratio = torch.exp(log_ratio)
     sums["total_loss"] += float(loss.detach())
-    sums["clip_fraction"] += float((clipped * local_mask).sum())
+    sums["clip_fraction"] += float(((acted["clip_low"] + acted["clip_high"]) * local_mask).sum())
+    for name in acted:
+        sums[f"{name}_fraction"] += float((acted[name] * local_mask).sum())
+    sums["ratio_mean"] += float((ratio * local_mask).sum())
+    # k3 estimate of KL(old || current): CleanRL's approx_kl.
+    sums["approx_kl"] += float(((ratio - 1 - log_ratio) * local_mask).sum())
+    if local_mask.any():
+        sums["ratio_min"] = min(sums["ratio_min"], float(ratio[local_mask > 0].min()))
+        sums["ratio_max"] = max(sums["ratio_max"], float(ratio[local_mask > 0].max()))
     sums["entropy"] += float((out.entropy.detach() * local_mask).sum())
     sums["logprob_mismatch_mean"] += float(mismatch.sum())
     sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], float(mismatch.max()))
@@ -539,8 +699,9 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, args, sums):
 
 
 def train_step(policy, samples, args):
-    """PPO update on this data-parallel rank's samples; returns the metric sums of this
-    rank by name (reduce them over ranks with `reduce_metrics`) and the global grad_norm."""
+    """One optimizer step on this data-parallel rank's share of a mini-batch; returns the
+    metric sums of this rank by name (see `combine_steps`, `reduce_metrics`) and the
+    global grad_norm."""
     dp_size = parallel_state.get_data_parallel_world_size()
     per_micro = len(samples) // args.micro_batches
     device = next(policy.model.parameters()).device
@@ -551,7 +712,7 @@ def train_step(policy, samples, args):
                                                   device=device))
     policy.ddp_model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    sums = dict.fromkeys(SUMMED_METRICS + MAXED_METRICS, 0.0)
+    sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
     for start in range(0, len(samples), per_micro):
         loss = micro_batch_loss(policy, samples[start:start + per_micro], len(samples) * dp_size, num_tokens,
                                 args, sums)
@@ -577,27 +738,56 @@ def train_step(policy, samples, args):
     return dict(sums, grad_norm=grad_norm)
 
 
-# How `reduce_metrics` combines each train metric over data x context parallel ranks: each
-# rank holds a share of the step's tokens.
-TOKEN_MEAN_METRICS = ("clip_fraction", "entropy", "logprob_mismatch_mean", "kl_to_reference")
-SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens", "mtp_loss", "total_loss")
-MAXED_METRICS = ("logprob_mismatch_max",)
+def train(policy, samples, args):
+    """The train phase: --ppo-epochs passes over this rank's samples, each in --mini-batches
+    optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
+    if args.ppo_epochs * args.mini_batches > 1:
+        # Every step after the first sees moved weights: its ratio must be against the
+        # policy that sampled the batch.
+        record_old_logprobs(policy, samples, args)
+    per_mini = len(samples) // args.mini_batches
+    return combine_steps([train_step(policy, samples[start:start + per_mini], args)
+                          for _ in range(args.ppo_epochs) for start in range(0, len(samples), per_mini)])
+
+
+# How each train metric is combined over optimizer steps (`combine_steps`) and over data x
+# context parallel ranks (`reduce_metrics`, each rank holds a share of the tokens).
+TOKEN_MEAN_METRICS = ("clip_fraction", "entropy", "logprob_mismatch_mean", "kl_to_reference", "clip_low_fraction",
+                      "clip_high_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl")
+STEP_MEAN_METRICS = ("mtp_loss", "total_loss")
+SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens",) + STEP_MEAN_METRICS
+MAXED_METRICS = ("logprob_mismatch_max", "ratio_max")
+MINNED_METRICS = ("ratio_min",)
+# Where a max or min starts before the first token.
+METRIC_START = {"logprob_mismatch_max": 0.0, "ratio_max": -math.inf, "ratio_min": math.inf}
+
+
+def combine_steps(steps):
+    """Metric sums of several optimizer steps -> one set: token sums add up, the MTP and
+    total losses and grad_norm average over steps, maxima and minima stay extremes."""
+    combined = {name: sum(step[name] for step in steps) for name in TOKEN_MEAN_METRICS + ("tokens",)}
+    combined.update({name: sum(step[name] for step in steps) / len(steps)
+                     for name in STEP_MEAN_METRICS + ("grad_norm",)})
+    combined.update({name: max(step[name] for step in steps) for name in MAXED_METRICS})
+    combined.update({name: min(step[name] for step in steps) for name in MINNED_METRICS})
+    return combined
 
 
 def reduce_metrics(sums, device):
     """Per-rank sums by name -> the step's values: token means, the MTP loss averaged over
     data-parallel ranks (each rank's is its share of its data-parallel rank's mean), the
-    total loss summed (it is normalised globally), maxima; grad_norm is already global."""
+    total loss summed (it is normalised globally), extremes; grad_norm is already global."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     summed = torch.tensor([sums[name] for name in SUMMED_METRICS], device=device)
     dist.all_reduce(summed, group=group)
-    maxed = torch.tensor([sums[name] for name in MAXED_METRICS], device=device)
-    dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
     totals = dict(zip(SUMMED_METRICS, summed))
     metrics = {name: (totals[name] / totals["tokens"].clamp(min=1)).item() for name in TOKEN_MEAN_METRICS}
     metrics["mtp_loss"] = totals["mtp_loss"].item() / parallel_state.get_data_parallel_world_size()
     metrics["total_loss"] = totals["total_loss"].item()
-    metrics.update(zip(MAXED_METRICS, maxed.tolist()))
+    for names, op in ((MAXED_METRICS, dist.ReduceOp.MAX), (MINNED_METRICS, dist.ReduceOp.MIN)):
+        extremes = torch.tensor([sums[name] for name in names], device=device, dtype=torch.float64)
+        dist.all_reduce(extremes, op=op, group=group)
+        metrics.update(zip(names, extremes.tolist()))
     metrics["grad_norm"] = sums["grad_norm"]
     return metrics
 
@@ -620,8 +810,8 @@ def sync_weights(policy, llm, step):
     return {"probe_text": text, "probe_logprob": logprob, "weight_version": llm.get_weight_version()}
 
 
-def step_record(step, samples, rewards, train_metrics, acceptance, sync_result, seconds):
-    """One line of metrics.jsonl: every value of the step by name."""
+def step_record(step, samples, rewards, train_metrics, acceptance, sync_result, eval_metrics, seconds):
+    """One line of metrics.jsonl: every value of the step by name (eval_* on eval steps only)."""
     response_tokens = sum(len(s["response_ids"]) for s in samples)
     return {
         "step": step,
@@ -632,8 +822,9 @@ def step_record(step, samples, rewards, train_metrics, acceptance, sync_result, 
         "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
         "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
         **sync_result,
+        **eval_metrics,
         **{f"{phase}_s": value for phase, value in seconds.items()},
-        "tokens_per_s": response_tokens / sum(seconds.values()),
+        "tokens_per_s": response_tokens / sum(seconds[phase] for phase in ("rollout", "train", "sync")),
     }
 
 
@@ -646,7 +837,10 @@ def log_step(record, metrics_path, args, seconds_so_far, steps_done):
     print(f"step {record['step']}/{args.steps} reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} "
           f"accept {accept} mtp {record['mtp_loss']:.3f} ent {record['entropy']:.2f} "
           f"mismatch {record['logprob_mismatch_mean']:.1e} gnorm {record['grad_norm']:.2f} "
-          f"| {sum(record[f'{p}_s'] for p in ('rollout', 'train', 'sync')):.1f}s/step "
+          f"clip {record['clip_fraction']:.3f} "
+          + (f"eval acc {record['eval_accuracy']:.2f} reward {record['eval_reward_mean']:.3f} "
+             if "eval_accuracy" in record else "")
+          + f"| {sum(record[f'{p}_s'] for p in ('rollout', 'train', 'sync')):.1f}s/step "
           f"({record['rollout_s']:.1f} roll, {record['train_s']:.1f} train, {record['sync_s']:.1f} sync) "
           f"eta {eta / 60:.1f} min", flush=True)
 
@@ -660,6 +854,10 @@ def plot_curves(records, path):
     axis.plot(steps, [r["reward_mean"] for r in records], label="mean reward")
     if any(r.get("acceptance_rate") is not None for r in records):
         axis.plot(steps, [r.get("acceptance_rate") for r in records], label="MTP draft acceptance")
+    evaluated = [r for r in records if "eval_accuracy" in r]
+    for name, label in (("eval_reward_mean", "held-out mean reward (greedy)"),
+                        ("eval_accuracy", "held-out accuracy (greedy)")):
+        axis.plot([r["step"] for r in evaluated], [r[name] for r in evaluated], marker="o", label=label)
     axis.set_xlabel("step")
     axis.set_ylim(0, 1.05)
     axis.grid(alpha=0.3)
@@ -688,7 +886,9 @@ def _broadcast(value):
 
 def main(args):
     hf_config = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    examples = load_jsonl(args.data) if args.data else None
+    examples, held_out = split_examples(load_jsonl(args.data) if args.data else None,
+                                        load_jsonl(args.eval_data) if args.eval_data else None, args.seed)
+    reward_function = load_reward_function(args.reward) if args.reward else None
     args.mtp_rollout = hf_config.get("num_nextn_predict_layers", 0) > 0 if args.mtp_rollout is None \
         else args.mtp_rollout
     args.mtp_train = args.mtp_train and hf_config.get("num_nextn_predict_layers", 0) > 0
@@ -702,7 +902,7 @@ def main(args):
     model_dir = args.model or _broadcast(tiny_model.build_tiny_mimo(DEFAULT_MODEL_DIR) if rank == 0 else None)
     if examples is not None:
         from transformers import AutoTokenizer  # vLLM's own tokenizer loader, before vLLM starts
-        check_prompts(examples, AutoTokenizer.from_pretrained(model_dir).encode,
+        check_prompts(examples + held_out, AutoTokenizer.from_pretrained(model_dir).encode,
                       hf_config.get("max_position_embeddings", 4096), args.max_new_tokens)
     init_model_parallel(tensor_parallel=args.tp, context_parallel=args.cp, seed=args.seed)
     mtp_patch.patch_megatron_mtp()
@@ -728,15 +928,20 @@ def main(args):
             samples, acceptance = generate(llm, meter, examples_now, args, rank)
         # Rewards and GRPO advantages, then PPO on this data-parallel rank's share
         with timer("train"):
-            rewards = score(samples, tokenizer, args)
+            rewards = score(samples, tokenizer, reward_function, args)
             per_rank = args.prompts_per_step * args.group_size
-            train_sums = train_step(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], args)
+            train_sums = train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], args)
         # Sync: the new weights, MTP draft included, into vLLM
         with timer("sync"):
             sync_result = sync_weights(policy, llm, step)
+        # Evaluate: greedy on the held-out set, every --eval-every steps and after the last
+        eval_metrics = {}
+        if step % args.eval_every == 0 or step == args.steps:
+            with timer("eval"):
+                eval_metrics = evaluate(llm, held_out, tokenizer, reward_function, args, rank)
         # Log and checkpoint
         record = step_record(step, samples, rewards, reduce_metrics(train_sums, device), acceptance, sync_result,
-                             timer.seconds)
+                             eval_metrics, timer.seconds)
         if rank == 0:
             records.append(record)
             log_step(record, metrics_path, args, time.time() - started, step - start_step)
