@@ -88,16 +88,16 @@ fi
 # requirement (or has it installed) for the venv's Python. A dry run: nothing is installed.
 pip_finds() { "$VENV/bin/python" -m pip install --dry-run --no-deps --quiet "$@" >/dev/null; }
 
-# Sets TORCH_ARGS to the pip arguments that make requirements-cpu.txt's torch installable.
+# Adds to TORCH_ARGS the pip arguments that make requirements-cpu.txt's torch installable.
 # The configured sources go first (a local wheel folder or a mirror needs no network).
 # PyTorch's index is read once with a 10 s timeout before pip is pointed at it: an
-# unreachable index then fails at once with the reason, where pip would retry for minutes.
+# unreachable index then fails at once with the reason, where pip would retry for a minute
+# or more (5 retries of its 15 s timeout).
 find_torch() {
   local torch_req reason
   torch_req=$(grep -E '^torch==' requirements-cpu.txt) || die "requirements-cpu.txt has no 'torch==' line"
   if pip_finds "$torch_req" 2>/dev/null; then
     echo "setup.sh: $torch_req: installed or in the configured package sources"
-    TORCH_ARGS=()
     return
   fi
   reason=$("$VENV/bin/python" - "$TORCH_CPU_INDEX_URL/torch/" 2>&1 <<'EOF'
