@@ -88,7 +88,8 @@ fi
 # requirement (or has it installed) for the venv's Python. A dry run: nothing is installed.
 pip_finds() { "$VENV/bin/python" -m pip install --dry-run --no-deps --quiet "$@" >/dev/null; }
 
-# Adds to TORCH_ARGS the pip arguments that make requirements-cpu.txt's torch installable.
+# Where the configured sources lack requirements-cpu.txt's torch, sets TORCH_ARGS to the
+# pip arguments that add PyTorch's CPU index.
 # The configured sources go first (a local wheel folder or a mirror needs no network).
 # PyTorch's index is read once with a 10 s timeout before pip is pointed at it: an
 # unreachable index then fails at once with the reason, where pip would retry for a minute
