@@ -8,7 +8,9 @@ share global state and multi-rank tests use real gloo process groups.
 """
 
 import dataclasses
+import functools
 import gc
+import http.server
 import importlib.metadata
 import json
 import logging
@@ -17,10 +19,13 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import zipfile
 from types import SimpleNamespace
 
 import pytest
@@ -1924,12 +1929,6 @@ def test_gpu_check_says_no_gpu_and_runs_nothing_without_one():
 # replaced by an empty index plus a wheel folder (the "configured sources"), and PyTorch's
 # CPU index by a PEP 503 index served on 127.0.0.1; the wheel is a tiny fake carrying only
 # torch's name and version. No network is reached.
-
-import functools
-import http.server
-import socket
-import threading
-import time
 
 TORCH_PIN = "torch==2.13.0+cpu"
 FAKE_TORCH_WHEEL = "torch-2.13.0+cpu-py3-none-any.whl"
