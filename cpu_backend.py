@@ -33,6 +33,8 @@ from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random as megatron_random
 
 DEFAULT_TIMEOUT_MINUTES = 30
+# How long ranks wait for each other to form a process group before they give up, saying so.
+FORM_TIMEOUT_SECONDS = 300
 
 
 def free_port():
@@ -42,12 +44,18 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES):
+def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES, form_timeout_seconds=FORM_TIMEOUT_SECONDS):
     """Initialise torch.distributed from torchrun's environment; returns (rank, world_size, device).
 
     gloo on CPU, nccl on GPU (one device per LOCAL_RANK). Run without torchrun it becomes a
     world of one on a free local port. Installs the CPU redirects when CUDA is absent.
     Calling it again after initialisation returns the same answer and does nothing else.
+
+    Under torchrun the group forms through the agent's store, which outlives a restart:
+    each attempt (TORCHELASTIC_RESTART_COUNT) gets its own key prefix, or the restarted
+    workers would read the dead workers' addresses and wait on them. A group that does not
+    form within `form_timeout_seconds` raises RuntimeError saying so; collectives after
+    that may take `timeout_minutes`.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -63,7 +71,20 @@ def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES):
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        form_timeout = datetime.timedelta(seconds=form_timeout_seconds)
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                                  timeout=form_timeout)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"/attempt_{attempt}", store),
+                                    rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
+        except (RuntimeError, dist.DistStoreError) as error:
+            raise RuntimeError(f"rank {rank}: the process group of {world_size} ranks at {address} (attempt "
+                               f"{attempt}) did not form within {form_timeout_seconds} s: {error}") from error
     return dist.get_rank(), dist.get_world_size(), device
 
 

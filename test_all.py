@@ -1391,33 +1391,115 @@ import train_grpo  # noqa: E402  (the entry point; imports vLLM only when it run
 TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
 
 
-def _train(out, *flags):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
-               "--out", out, *flags]
-    process = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
+    """Run train_grpo.py under torchrun (`node_count` agents on this machine, rendezvous on
+    127.0.0.1); returns (metrics.jsonl records, stdout, stderr)."""
+    env = dict(os.environ, **(env or {}))
+    if node_count == 1:
+        process = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun_flags, "train_grpo.py",
+                                  "--out", out, *flags], cwd=REPO_DIR, capture_output=True, text=True, env=env,
+                                 timeout=PROCESS_TIMEOUT_SECONDS)
+        results = [(process.returncode, process.stdout, process.stderr)]
+    else:
+        port = str(cpu_backend.free_port())
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(node_count),
+                                    "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                                    "--master_port", port, "train_grpo.py", "--out", out, *flags], cwd=REPO_DIR,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                  for node in range(node_count)]
+        results = [(agent.returncode, *agent.communicate(timeout=PROCESS_TIMEOUT_SECONDS)) for agent in agents]
+        results = [(agent.returncode, out_, err) for agent, (_, out_, err) in zip(agents, results)]
+    for returncode, stdout, stderr in results:
+        assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], process.stdout
+        return [json.loads(line) for line in f], results[0][1], results[0][2]
 
 
-def test_train_grpo_runs_syncs_and_resumes(tmp_path):
-    out = str(tmp_path / "run")
-    records, stdout = _train(out, "--steps", "3", "--save-every", "2")
-    resumed, _ = _train(out, "--steps", "5", "--resume", os.path.join(out, "checkpoint"))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
-    assert "step 3/3" in stdout and "eta" in stdout
-    for record in resumed:
+def _train(out, *flags):
+    records, stdout, _ = _torchrun(out, *flags)
+    return records, stdout
+
+
+# A short run for the end-to-end and fault-tolerance tests: 5 steps, checkpoints at 2, 4, 5.
+SHORT_RUN = ("--steps", "5", "--save-every", "2", "--prompts-per-step", "4", "--eval-every", "5")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("uninterrupted"))
+    records, stdout, _ = _torchrun(out, *SHORT_RUN)
+    return out, records, stdout
+
+
+def _final_weights(out):
+    return load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+def test_train_grpo_runs_syncs_evaluates_and_keeps_two_checkpoints(uninterrupted_run):
+    out, records, stdout = uninterrupted_run
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert "step 5/5" in stdout and "eta" in stdout
+    for record in records:
         for key in ("reward_mean", "total_loss", "entropy", "grad_norm", "mtp_loss", "acceptance_rate",
                     "logprob_mismatch_mean", "tokens_per_s"):
             assert math.isfinite(record[key]), (key, record)
         assert record["logprob_mismatch_max"] < TRAIN_MISMATCH_BOUND
         assert record["weight_version"] == str(record["step"])
         assert 0 <= record["acceptance_rate"] <= 1 and 0 <= record["reward_mean"] <= 1
+    assert "eval_accuracy" in records[-1] and "eval_accuracy" not in records[0]
     # Every sync changes what vLLM generates: the greedy probe's log-prob moves each step.
-    probes = [r["probe_logprob"] for r in resumed]
+    probes = [r["probe_logprob"] for r in records]
     assert all(a != b for a, b in zip(probes, probes[1:]))
     assert os.path.exists(os.path.join(out, "curves.png"))
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
+    # --keep-checkpoints 2: steps 4 and 5 stay, each complete, nothing half-written left.
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000004", "step_000005"]
+    assert train_grpo.checkpoint_problem(os.path.join(out, "checkpoints", "step_000005")) is None
+
+
+@pytest.mark.parametrize("kill_at", ["sync:3", "save:4"])
+def test_a_killed_worker_is_restarted_and_the_run_continues_exactly(uninterrupted_run, kill_at, tmp_path):
+    """SIGKILL of one worker mid-step (after step 3's update, before its sync) or mid-save
+    (step 4's shard written, the checkpoint not yet published); torchrun restarts both."""
+    reference_out, reference, _ = uninterrupted_run
+    out = str(tmp_path / "run")
+    records, stdout, stderr = _torchrun(out, *SHORT_RUN, env={train_grpo.KILL_AT_ENV: kill_at},
+                                        torchrun_flags=("--max-restarts", "1", "--nproc_per_node", "2"))
+    # The restarted workers resumed from step 2 (the killed step 4's save was never published).
+    assert "resumed from" in stdout and "step_000002 (step 2)" in stdout, stdout[-2000:]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    keys = ("reward_mean", "entropy", "grad_norm", "mtp_loss", "acceptance_rate", "probe_logprob")
+    assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in reference]
+    # Bit-exact: the same weights and optimizer state at step 2, the same sampling seeds after.
+    final, expected = _final_weights(out), _final_weights(reference_out)
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
+
+
+def test_resume_skips_a_truncated_checkpoint_and_refuses_another_layout(uninterrupted_run, tmp_path, capsys):
+    reference_out, _, _ = uninterrupted_run
+    out = tmp_path / "run"
+    shutil.copytree(reference_out, out)
+    newest = out / "checkpoints" / "step_000005" / "rank1.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    args = train_grpo.parse_args(["--out", str(out)])
+    assert train_grpo.choose_checkpoint(args, world_size=2) == str(out / "checkpoints" / "step_000004")
+    warning = capsys.readouterr().err
+    assert f"checkpoint {out / 'checkpoints' / 'step_000005'} skipped: {newest} is 1000 bytes, expected" in warning
+    with pytest.raises(SystemExit, match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
+        train_grpo.choose_checkpoint(train_grpo.parse_args(["--out", str(out), "--tp", "2"]), world_size=4)
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
+        .startswith(f"--resume never: {out / 'checkpoints'} holds checkpoints of an earlier run")
+    # What a resumed run keeps of metrics.jsonl: each step once, up to the checkpoint.
+    kept = train_grpo.keep_records(str(out / "metrics.jsonl"), 4)
+    assert [r["step"] for r in kept] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_two_torchrun_agents_train_like_one_node_of_two(uninterrupted_run, tmp_path):
+    _, reference, _ = uninterrupted_run
+    records, _, _ = _torchrun(str(tmp_path / "run"), *SHORT_RUN, node_count=2)
+    keys = ("reward_mean", "entropy", "grad_norm", "mtp_loss", "probe_logprob")
+    assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in reference]
 
 
 def test_train_grpo_pieces_and_bad_input(tmp_path):

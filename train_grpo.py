@@ -33,6 +33,10 @@ import json
 import math
 import os
 import random
+import re
+import shutil
+import signal
+import sys
 import time
 
 import torch
@@ -63,6 +67,7 @@ PROBE_TOKENS = 4
 NUMERIC_TOLERANCE = 1e-6
 ADVANTAGE_EPS = 1e-6
 ADAM_EPS = 1e-8
+SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
 KL_LOG_RATIO_BOUND = 20.0  # k3 = exp(x) - x - 1 overflows fp32 past ~88; the bound keeps it finite
 
 
@@ -91,7 +96,11 @@ def parse_args(argv=None):
                    help="your reward: FUNCTION(prompt: str, response: str, answer: str) -> float or a list of "
                         "per-token floats; default: per-character credit (built-in task), exact match (--data)")
     p.add_argument("--out", default="runs/grpo", help="metrics.jsonl, curves.png, checkpoints, final HF dir")
-    p.add_argument("--resume", default=None, help="a checkpoint dir written by an earlier run (OUT/checkpoint)")
+    p.add_argument("--resume", default="auto",
+                   help="auto: continue from the newest complete checkpoint in OUT/checkpoints if there is one, "
+                        "else start fresh (so torchrun --max-restarts survives a killed worker); never: start fresh "
+                        "(refused if OUT holds checkpoints); or a checkpoint dir (OUT/checkpoints/step_N, or a run's "
+                        "OUT/checkpoints for its newest)")
     p.add_argument("--steps", type=int, default=150, help="training steps (one rollout batch each)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, init and sampling")
     p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
@@ -134,6 +143,7 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
     p.add_argument("--spec-config", default=None, help="JSON object merged into vLLM's speculative_config")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many of the newest checkpoints to keep")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 weights and rollout (default: on with CUDA, off on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of GPU memory")
@@ -150,6 +160,7 @@ AT_LEAST = {"steps": (1, True), "tp": (1, True), "cp": (1, True), "rollout_tp": 
             "prompts_per_step": (1, True), "group_size": (2, True), "max_new_tokens": (1, True),
             "micro_batches": (1, True), "mini_batches": (1, True), "ppo_epochs": (1, True),
             "eval_every": (1, True), "num_speculative_tokens": (1, True), "save_every": (1, True),
+            "keep_checkpoints": (1, True),
             "kv_cache_bytes": (1, True), "temperature": (0, False), "lr": (0, False), "grad_clip": (0, False),
             "gpu_memory_utilization": (0, False), "clip_low": (0, True), "clip_high": (0, True),
             "dual_clip": (1, False), "tis_cap": (0, True), "kl_coef": (0, True), "entropy_coef": (0, True),
@@ -193,12 +204,7 @@ def flag_problems(args, world_size):
             problems.append(f"{flag} {path!r}: no such file; expected a JSONL file of {{prompt, answer}} lines")
     if args.reward is not None:
         problems += reward_problems(args.reward)
-    if args.resume is not None:
-        missing = [f"rank{rank}.pt" for rank in range(world_size)
-                   if not os.path.isfile(os.path.join(args.resume, f"rank{rank}.pt"))]
-        if missing:
-            problems.append(f"--resume {args.resume!r}: no {missing[0]} there; expected the checkpoint dir an "
-                            f"earlier run wrote (OUT/checkpoint) with the same number of processes ({world_size})")
+    problems += resume_problems(args, world_size)
     try:
         spec_config.build_mtp_speculative_config("mtp", args.num_speculative_tokens, args.spec_config)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -474,16 +480,135 @@ def build_engine(model_dir, args, rank, dtype):
     return LLM(**options)
 
 
-def save_checkpoint(directory, policy, step, rank):
-    os.makedirs(directory, exist_ok=True)
-    torch.save({"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": step},
-               os.path.join(directory, f"rank{rank}.pt"))
+# ---------------------------------------------------------------------------------------
+# Checkpoints: atomic, self-describing, resumed automatically
+# ---------------------------------------------------------------------------------------
+# OUT/checkpoints/step_000050/{rank0.pt, rank1.pt, ..., meta.json}. Each save is written
+# into step_N.partial/, every file flushed to disk, meta.json (the layout, the step, each
+# file's size) last; then the directory is renamed to step_N: a checkpoint directory
+# either is complete or does not exist. --out must be storage every node sees.
+
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_META = "meta.json"
+# Set by the fault-tolerance tests: "PHASE:STEP" makes the last rank SIGKILL itself there,
+# on torchrun's first attempt only (PHASE: train, after the optimizer step; save, after
+# writing its file, before the checkpoint is published).
+KILL_AT_ENV = "TRAIN_GRPO_KILL_AT"
+
+
+def run_layout(args, world_size):
+    """What a checkpoint must match to be resumed: the process layout and the model."""
+    return {"world_size": world_size, "tp": args.tp, "cp": args.cp, "rollout_tp": args.rollout_tp,
+            "model": os.path.abspath(args.model) if args.model else "built-in"}
+
+
+def fault_point(phase, step):
+    if os.environ.get(KILL_AT_ENV) == f"{phase}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \
+            and dist.get_rank() == dist.get_world_size() - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_synced(path, write):
+    """Write a file through `write(f)`, flushed to disk, under a temporary name renamed at the end."""
+    with open(path + ".tmp", "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def save_checkpoint(args, policy, step, rank, world_size):
+    """Every rank writes its shard into step_N.partial/; rank 0 publishes step_N and keeps
+    the newest --keep-checkpoints."""
+    root = os.path.join(args.out, CHECKPOINTS_DIR)
+    final = os.path.join(root, f"step_{step:06d}")
+    staging = final + ".partial"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    state = {"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": step}
+    _write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
+    fault_point("save", step)
+    dist.barrier()
+    if rank == 0:
+        files = {name: os.path.getsize(os.path.join(staging, name)) for name in sorted(os.listdir(staging))}
+        meta = dict(run_layout(args, world_size), step=step, files=files)
+        _write_synced(os.path.join(staging, CHECKPOINT_META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        for old in checkpoint_dirs(root)[args.keep_checkpoints:]:
+            shutil.rmtree(old)
     dist.barrier()
 
 
+def checkpoint_dirs(root):
+    """Published checkpoint directories under `root`, newest first."""
+    if not os.path.isdir(root):
+        return []
+    names = [name for name in os.listdir(root) if re.fullmatch(r"step_\d+", name)]
+    return [os.path.join(root, name) for name in sorted(names, reverse=True)]
+
+
+def checkpoint_problem(directory):
+    """Why `directory` is not a complete checkpoint (naming the file), or None."""
+    meta_path = os.path.join(directory, CHECKPOINT_META)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        return f"{meta_path} cannot be read ({error})"
+    for name, size in meta["files"].items():
+        path = os.path.join(directory, name)
+        actual = os.path.getsize(path) if os.path.exists(path) else None
+        if actual != size:
+            return f"{path} is {'missing' if actual is None else f'{actual} bytes'}, expected {size} bytes"
+    return None
+
+
+def choose_checkpoint(args, world_size):
+    """The checkpoint directory this run continues from, or None to start fresh; a complete
+    checkpoint of another layout or model is an error, an incomplete one is skipped with a
+    warning naming the bad file."""
+    if args.resume == "never":
+        return None
+    root = os.path.join(args.out, CHECKPOINTS_DIR) if args.resume == "auto" else args.resume
+    candidates = [root] if os.path.isfile(os.path.join(root, CHECKPOINT_META)) else checkpoint_dirs(root)
+    for directory in candidates:
+        problem = checkpoint_problem(directory)
+        if problem is not None:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"train_grpo.py: warning: checkpoint {directory} skipped: {problem}", file=sys.stderr, flush=True)
+            continue
+        with open(os.path.join(directory, CHECKPOINT_META)) as f:
+            saved = json.load(f)
+        expected = run_layout(args, world_size)
+        different = {key: (saved[key], value) for key, value in expected.items() if saved[key] != value}
+        if different:
+            raise usage_error(f"--resume {args.resume}: {directory} was saved with " + ", ".join(
+                f"{key} {was!r}" for key, (was, _) in different.items()) + "; this run has " + ", ".join(
+                f"{key} {now!r}" for key, (_, now) in different.items()) + " (resume with the same layout, or "
+                "pass --resume never and another --out)")
+        return directory
+    if args.resume != "auto":
+        raise usage_error(f"--resume {args.resume!r}: no complete checkpoint there; expected a checkpoint dir "
+                          f"(OUT/checkpoints/step_N) or a run's OUT/checkpoints")
+    return None
+
+
+def resume_problems(args, world_size):
+    if args.resume == "never" and checkpoint_dirs(os.path.join(args.out, CHECKPOINTS_DIR)):
+        return [f"--resume never: {os.path.join(args.out, CHECKPOINTS_DIR)} holds checkpoints of an earlier run; "
+                "expected a fresh --out (or --resume auto to continue it)"]
+    if args.resume not in ("auto", "never") and not os.path.isdir(args.resume):
+        return [f"--resume {args.resume!r}: no such directory; expected auto, never or a checkpoint dir"]
+    return []
+
+
 def load_checkpoint(directory, policy, rank):
-    """Restore model and optimizer state saved by `save_checkpoint`; returns the step it was saved at."""
-    state = torch.load(os.path.join(directory, f"rank{rank}.pt"), weights_only=False)
+    """Restore this rank's model and optimizer state; returns the step it was saved at."""
+    path = os.path.join(directory, f"rank{rank}.pt")
+    state = torch.load(path, weights_only=True)
     policy.model.load_state_dict(state["model"])
     with cuda_on_cpu():
         policy.optimizer.load_state_dict(state["optimizer"])
@@ -530,7 +655,7 @@ def split_examples(examples, eval_examples, seed):
 def sample_prompts(examples, step, args, dp_size):
     """The step's examples (`--prompts-per-step` per data-parallel rank), the same on every
     rank: drawn from the training pool by a generator seeded by (seed, step) alone."""
-    step_rng = random.Random(args.seed * 1_000_003 + step)
+    step_rng = random.Random(args.seed * SEED_STRIDE + step)
     return [builtin_example(step_rng) if examples is None else step_rng.choice(examples)
             for _ in range(args.prompts_per_step * dp_size)]
 
@@ -573,9 +698,14 @@ def sampling_params(args, n, temperature):
                           ignore_eos=args.data is None, skip_special_tokens=False)
 
 
-def generate(llm, meter, examples, args, rank):
+def generate(llm, meter, examples, args, rank, step):
     """The rollout phase: completions, this engine's draft acceptance (None without
-    drafting), and vLLM put to sleep on a GPU so Megatron gets its memory."""
+    drafting), and vLLM put to sleep on a GPU so Megatron gets its memory.
+
+    The engine samples from torch's generator in this process, seeded here from (seed, step,
+    engine): step s's rollout depends on those and the weights alone, so a run resumed
+    from a checkpoint samples what the uninterrupted run sampled."""
+    torch.manual_seed((args.seed * SEED_STRIDE + step) * SEED_STRIDE + rank // args.rollout_tp)
     samples, outputs = rollout(llm, examples, sampling_params(args, args.group_size, args.temperature), args, rank)
     acceptance = meter.read(outputs) if meter is not None else None
     if torch.cuda.is_available():
@@ -803,6 +933,7 @@ def probe(llm):
 def sync_weights(policy, llm, step):
     """The sync phase: wake vLLM (GPU), push every weight, MTP draft included, and probe it;
     returns the probe's {probe_text, probe_logprob, weight_version}."""
+    fault_point("sync", step)
     if torch.cuda.is_available():
         llm.wake_up()
     weight_sync.push_to_vllm(policy.model, llm, weight_version=str(step))
@@ -866,12 +997,15 @@ def plot_curves(records, path):
     figure.savefig(path, dpi=100)
 
 
-def read_records(metrics_path, last_step):
-    """metrics.jsonl's records up to `last_step` (those a resumed run keeps)."""
-    if not os.path.exists(metrics_path):
-        return []
-    with open(metrics_path) as f:
-        return [record for record in map(json.loads, f) if record["step"] <= last_step]
+def keep_records(metrics_path, last_step):
+    """Rank 0: metrics.jsonl cut back to the steps up to `last_step` (a resumed run logs
+    the later ones again; a fresh one starts empty); returns the records kept."""
+    records = []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            records = [record for record in map(json.loads, f) if record["step"] <= last_step]
+    _write_synced(metrics_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
+    return records
 
 
 def _broadcast(value):
@@ -886,6 +1020,7 @@ def _broadcast(value):
 
 def main(args):
     hf_config = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    resume_dir = choose_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))
     examples, held_out = split_examples(load_jsonl(args.data) if args.data else None,
                                         load_jsonl(args.eval_data) if args.eval_data else None, args.seed)
     reward_function = load_reward_function(args.reward) if args.reward else None
@@ -907,7 +1042,7 @@ def main(args):
     init_model_parallel(tensor_parallel=args.tp, context_parallel=args.cp, seed=args.seed)
     mtp_patch.patch_megatron_mtp()
     policy = build_policy(model_dir, args, device, dtype)
-    start_step = load_checkpoint(args.resume, policy, rank) if args.resume else 0
+    start_step = load_checkpoint(resume_dir, policy, rank) if resume_dir else 0
     llm = build_engine(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
     tokenizer = llm.get_tokenizer()
     if start_step:
@@ -916,7 +1051,9 @@ def main(args):
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     os.makedirs(args.out, exist_ok=True)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    records = read_records(metrics_path, start_step) if rank == 0 and start_step else []
+    records = keep_records(metrics_path, start_step) if rank == 0 else []
+    if start_step and rank == 0:
+        print(f"resumed from {resume_dir} (step {start_step})", flush=True)
     started = time.time()
 
     for step in range(start_step + 1, args.steps + 1):
@@ -925,7 +1062,7 @@ def main(args):
         examples_now = sample_prompts(examples, step, args, dp_size)
         # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting
         with timer("rollout"):
-            samples, acceptance = generate(llm, meter, examples_now, args, rank)
+            samples, acceptance = generate(llm, meter, examples_now, args, rank, step)
         # Rewards and GRPO advantages, then PPO on this data-parallel rank's share
         with timer("train"):
             rewards = score(samples, tokenizer, reward_function, args)
@@ -946,7 +1083,7 @@ def main(args):
             records.append(record)
             log_step(record, metrics_path, args, time.time() - started, step - start_step)
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(os.path.join(args.out, "checkpoint"), policy, step, rank)
+            save_checkpoint(args, policy, step, rank, world_size)
 
     weight_sync.save_hf_checkpoint(policy.model, model_dir, os.path.join(args.out, "final"))
     if rank == 0 and records:
