@@ -1521,10 +1521,11 @@ def test_train_grpo_pieces_and_bad_input(tmp_path):
     assert train_grpo.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
-    with pytest.raises(SystemExit, match="line 2"):
-        train_grpo.load_jsonl(str(bad))
+    with pytest.raises(SystemExit, match="row 2"):
+        train_grpo.load_examples(str(bad))
     with pytest.raises(SystemExit, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
-        train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}], list, 8, 4)
+        train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}],
+                                 SimpleNamespace(encode=list, chat_template=None), 8, 4)
 
 
 POLICY_LOSS_ARGS = SimpleNamespace(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0)
@@ -1928,6 +1929,160 @@ def test_bf16_train_step_learns_and_saves_a_hf_checkpoint(tiny_checkpoint, tmp_p
     # Positive advantages gain probability, negative ones lose it.
     assert result["positive_change"] > 0 > result["negative_change"]
     assert result["reload_identical"]
+
+
+# --data in verl's layout: what its example preprocessors write for GSM8K
+# (examples/data_preprocess/gsm8k.py), here on the built-in task so the tiny model is
+# scored on it.
+VERL_TASK = (("a", "aaa"), ("b", "bbb"), ("c", "ccc"))
+
+
+def _verl_rows(task=VERL_TASK):
+    return [{"data_source": "repeat", "prompt": [{"role": "user", "content": f"repeat:{letter}"}],
+             "ability": "copy", "reward_model": {"style": "rule", "ground_truth": answer},
+             "extra_info": {"split": "train", "index": index}} for index, (letter, answer) in enumerate(task)]
+
+
+def _write_parquet(path, rows):
+    import pyarrow
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def _chat_ids(text):
+    """The tiny tokenizer's ids of `text`, one per character (the chat template's output)."""
+    vocab = tiny_model.tokenizer_vocab()
+    return [vocab[character] for character in text]
+
+
+def test_train_grpo_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
+    assert train_grpo.load_examples(str(ours)) == [{"prompt": "repeat:a", "answer": "aaa"},
+                                                   {"prompt": "2+2=", "answer": "4"}]
+    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
+    assert train_grpo.load_examples(verl) == [
+        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa"},
+        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb"}]
+    # Other layouts: a column and a dotted path into a nested field.
+    custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
+    assert train_grpo.load_examples(custom, "question", "meta.solution") == [{"prompt": "1+1=", "answer": "2"}]
+    # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.load_examples(str(missing))
+    assert str(refused.value) == (f"train_grpo.py: --data {missing}: row 3 has no key 'answer' nor "
+                                  "'reward_model.ground_truth' (--answer-key)")
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.load_examples(verl, prompt_key="question")
+    assert str(refused.value) == f"train_grpo.py: --data {verl}: row 1 has no key 'question' (--prompt-key)"
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.load_examples(custom, "question", "meta.answer")
+    assert str(refused.value) == f"train_grpo.py: --data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
+    not_chat = _write_parquet(tmp_path / "not_chat.parquet", [{"prompt": [{"text": "hi"}], "answer": "a"}])
+    with pytest.raises(SystemExit, match="row 1: 'prompt' is .*expected a string or a list of {role, content}"):
+        train_grpo.load_examples(not_chat)
+    # Flags: the extension and the keys are checked before any work.
+    table = tmp_path / "table.csv"
+    table.write_text("prompt,answer\n")
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", str(table)]), 2) == [
+        f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
+        "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--prompt-key", "question"]), 2) == [
+        "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--prompt-key", "prompt",
+                                                           "--answer-key", "reward_model.ground_truth"]), 2) == []
+
+
+def test_train_grpo_templates_chat_prompts_and_encodes_strings_as_before(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    messages = [{"role": "system", "content": "copy"}, {"role": "user", "content": "repeat:a"}]
+    templated = _chat_ids("<|system|>copy<|user|>repeat:a<|assistant|>")
+    assert train_grpo.prompt_token_ids(tokenizer, messages) == templated
+    # A string prompt: the ids vLLM got for it before prompts were tokenised here.
+    assert train_grpo.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
+    # The length check counts the templated tokens.
+    train_grpo.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
+    with pytest.raises(SystemExit, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
+        train_grpo.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
+    tokenizer.chat_template = None
+    with pytest.raises(SystemExit, match="chat-message prompts but .* has no chat template"):
+        train_grpo.check_prompts([{"prompt": messages}], tokenizer, max_len=1024, max_new_tokens=3)
+
+
+def _rollout_prompt_ids(checkpoint, data):
+    """train_grpo's rollout, score and pack with the engine train_grpo builds, on `data`'s
+    examples and one string prompt: per sample the prompt ids rollout returns and the
+    prompt part of the sequence pack_micro_batch hands Megatron; per request the ids vLLM
+    sampled from."""
+    from transformers import AutoTokenizer
+    rank, _, _ = cpu_backend.init_distributed()
+    args = train_grpo.parse_args(["--data", data, "--group-size", "2", "--max-new-tokens", "3"])
+    args.mtp_rollout = True  # what main sets for a model with MTP layers
+    examples = train_grpo.load_examples(data) + [{"prompt": "repeat:e", "answer": "eee"}]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    llm = train_grpo.build_engine(checkpoint, args, rank, "float32")
+    params = train_grpo.sampling_params(args, args.group_size, args.temperature)
+    samples, outputs = train_grpo.rollout(llm, tokenizer, examples, params, args, rank)
+    train_grpo.score(samples, tokenizer, None, args)  # the advantages pack_micro_batch lays out
+    input_ids, seqlens = train_grpo.pack_micro_batch(samples, torch.device("cpu"))[:2]
+    packed = [sequence[:len(sample["prompt_ids"])].tolist()
+              for sequence, sample in zip(torch.split(input_ids, seqlens.tolist()), samples)]
+    return {"samples": [sample["prompt_ids"] for sample in samples], "packed": packed,
+            "vllm": [list(output.prompt_token_ids) for output in outputs]}
+
+
+def test_train_grpo_megatron_trains_on_the_templated_prompt_tokens_vllm_sampled_from(tiny_checkpoint, tmp_path):
+    data = _write_parquet(tmp_path / "verl.parquet", _verl_rows())
+    result, = run_in_processes(_rollout_prompt_ids, args=(tiny_checkpoint, data), env=VLLM_ENV)
+    templated = [_chat_ids(f"<|user|>repeat:{letter}<|assistant|>") for letter, _ in VERL_TASK] + [
+        _chat_ids("repeat:e")]
+    # vLLM sampled from the templated tokens; rollout hands Megatron those, group by group,
+    # and pack_micro_batch puts them in front of each response.
+    assert result["vllm"] == templated
+    assert result["samples"] == [ids for ids in templated for _ in range(2)]
+    assert result["packed"] == result["samples"]
+
+
+@pytest.fixture(scope="module")
+def verl_parquet_run(tmp_path_factory):
+    """A 2-step run on a verl-layout parquet file of chat-message prompts: (out dir, records)."""
+    directory = tmp_path_factory.mktemp("verl")
+    data = _write_parquet(directory / "repeat.parquet", _verl_rows())
+    out = str(directory / "run")
+    records, _ = _train(out, "--data", data, "--steps", "2", "--max-new-tokens", "3")
+    return out, records
+
+
+def test_train_grpo_runs_on_a_verl_parquet_file_of_chat_prompts(verl_parquet_run):
+    out, records = verl_parquet_run
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        for key in ("reward_mean", "total_loss", "entropy", "grad_norm", "mtp_loss", "tokens_per_s"):
+            assert math.isfinite(record[key]), (key, record)
+        assert record["logprob_mismatch_max"] < TRAIN_MISMATCH_BOUND
+        assert 0 <= record["reward_mean"] <= 1 and 0 < record["response_length"] <= 3
+    assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
+
+
+def test_train_grpo_tensorboard_holds_every_number_of_metrics_jsonl(verl_parquet_run):
+    import numpy
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, records = verl_parquet_run
+    events = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    numbers = {key for record in records for key, value in record.items()
+               if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    assert set(events.Tags()["scalars"]) == numbers
+    assert {"reward_mean", "total_loss", "grad_norm", "acceptance_rate", "probe_logprob", "train_s"} <= numbers
+    for key in numbers:
+        # TensorBoard keeps scalars in fp32.
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [
+            (r["step"], float(numpy.float32(r[key]))) for r in records if key in r], key
+    assert train_grpo.open_tensorboard(train_grpo.parse_args(["--no-tensorboard"]), start_step=0) is None
 
 
 # ---------------------------------------------------------------------------------------

@@ -128,10 +128,18 @@ def mimo_weights(config, seed=0, init_std=0.02):
     return weights
 
 
-def write_tokenizer(out_dir, max_length):
-    """tokenizer.json and tokenizer_config.json that transformers and vLLM load as a fast tokenizer."""
-    build_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
-    tokenizer_config = {
+# A minimal chat template, "<|role|>content" per message and "<|assistant|>" to open the
+# reply: every character of it is in the vocabulary, so chat-message prompts (--data in
+# verl's layout) take the same templated path on the tiny model as on an instruct model.
+# No whitespace between messages: transformers 5 loads a qwen2 checkpoint's tokenizer as
+# Qwen2Tokenizer, whose byte-level pre-tokenizer drops it (vLLM loads the same one).
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tokenizer_config(max_length):
+    """The tokenizer_config.json dict: special tokens, context length and the chat template."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
@@ -139,9 +147,15 @@ def write_tokenizer(out_dir, max_length):
         "unk_token": PAD_TOKEN,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
+
+
+def write_tokenizer(out_dir, max_length):
+    """tokenizer.json and tokenizer_config.json that transformers and vLLM load as a fast tokenizer."""
+    build_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2)
+        json.dump(tokenizer_config(max_length), f, indent=2)
 
 
 def build_tiny_mimo(out_dir, seed=0, **sizes):
@@ -153,7 +167,9 @@ def build_tiny_mimo(out_dir, seed=0, **sizes):
     and seed, so callers can use it as a cache.
     """
     config = mimo_config(**sizes)
-    stamp = {"config": config, "seed": seed}
+    # The tokenizer's config is in the stamp too: a cache written before a change to it
+    # (the chat template, say) is rewritten.
+    stamp = {"config": config, "tokenizer": tokenizer_config(config["max_position_embeddings"]), "seed": seed}
     stamp_path = os.path.join(out_dir, "tiny_model_stamp.json")
     if os.path.exists(stamp_path):
         with open(stamp_path) as f:

@@ -19,9 +19,13 @@ over the 128-token vocabulary earns a little, about 1%). The credit is per token
 answer position gets its own group-baselined advantage. The letter sits at the end of
 the prompt, so each answer token only has to repeat the token before it: a mapping the
 tiny random-init model can find by RL alone in a few minutes on 2 CPU cores, and one its
-MTP head can draft once the policy is sure of it. With --data, a JSONL file of
-{"prompt", "answer"} lines is used with an exact-match reward (numeric when the answer
-is a number).
+MTP head can draft once the policy is sure of it. With --data, examples come from a
+.jsonl or .parquet file, in our layout ({"prompt", "answer"}) or verl's (prompt as chat
+messages, answer under reward_model.ground_truth), with an exact-match reward (numeric
+when the answer is a number). Chat-message prompts go through the tokenizer's chat
+template; every prompt reaches vLLM as token ids, so vLLM samples from exactly the
+tokens Megatron trains on. Metrics: OUT/metrics.jsonl, TensorBoard under
+OUT/tensorboard, and curves.png at the end.
 """
 
 import argparse
@@ -69,6 +73,11 @@ ADVANTAGE_EPS = 1e-6
 ADAM_EPS = 1e-8
 SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
 KL_LOG_RATIO_BOUND = 20.0  # k3 = exp(x) - x - 1 overflows fp32 past ~88; the bound keeps it finite
+DATA_FORMATS = (".jsonl", ".parquet")
+DEFAULT_PROMPT_KEY = "prompt"
+# Where an example's answer lives when --answer-key is not given: our layout's "answer",
+# then verl's (its example preprocessors write reward_model = {style, ground_truth}).
+DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 
 
 def usage_error(message):
@@ -85,17 +94,28 @@ class _ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv=None):
     p = _ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="MiMo-style HF checkpoint dir; default: the built-in tiny model")
-    p.add_argument("--data", default=None, help="JSONL of {prompt, answer}; default: the built-in repeat task")
+    p.add_argument("--data", default=None,
+                   help="examples, .jsonl or .parquet: {prompt, answer} rows, or verl's layout (prompt as chat "
+                        "messages, answer under reward_model.ground_truth); default: the built-in repeat task")
+    p.add_argument("--prompt-key", default=DEFAULT_PROMPT_KEY,
+                   help="--data field holding the prompt (a string or a list of {role, content} chat messages); "
+                        "a dotted path reaches into nested fields")
+    p.add_argument("--answer-key", default=None,
+                   help="--data field holding the answer, a dotted path reaches into nested fields; default: "
+                        + " or ".join(DEFAULT_ANSWER_KEYS))
     p.add_argument("--eval-data", default=None,
-                   help="held-out JSONL of {prompt, answer}; default: the built-in task's held-out letters, or "
-                        f"with --data a fixed {EVAL_HOLDOUT_FRACTION:.0%} of it (at most {EVAL_HOLDOUT_MAX}) that "
-                        "training never samples")
+                   help="held-out examples in --data's formats and keys; default: the built-in task's held-out "
+                        f"letters, or with --data a fixed {EVAL_HOLDOUT_FRACTION:.0%} of it (at most "
+                        f"{EVAL_HOLDOUT_MAX}) that training never samples")
     p.add_argument("--eval-every", type=int, default=25,
                    help="greedy accuracy and mean reward on the held-out set every N steps (and after the last)")
     p.add_argument("--reward", default=None, metavar="FILE.py:FUNCTION",
                    help="your reward: FUNCTION(prompt: str, response: str, answer: str) -> float or a list of "
                         "per-token floats; default: per-character credit (built-in task), exact match (--data)")
-    p.add_argument("--out", default="runs/grpo", help="metrics.jsonl, curves.png, checkpoints, final HF dir")
+    p.add_argument("--out", default="runs/grpo",
+                   help="metrics.jsonl, curves.png, tensorboard/ event files, checkpoints, final HF dir")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="also write every metric to TensorBoard event files under OUT/tensorboard")
     p.add_argument("--resume", default="auto",
                    help="auto: continue from the newest complete checkpoint in OUT/checkpoints if there is one, "
                         "else start fresh (so torchrun --max-restarts survives a killed worker); never: start fresh "
@@ -201,7 +221,23 @@ def flag_problems(args, world_size):
         problems.append(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint dir")
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is not None and not os.path.isfile(path):
-            problems.append(f"{flag} {path!r}: no such file; expected a JSONL file of {{prompt, answer}} lines")
+            problems.append(f"{flag} {path!r}: no such file; expected a {' or '.join(DATA_FORMATS)} file of examples")
+        elif path is not None and not path.endswith(DATA_FORMATS):
+            problems.append(f"{flag} {path!r}: extension {os.path.splitext(path)[1] or '(none)'!r} is not read; "
+                            f"expected {' or '.join(DATA_FORMATS)}")
+        # Packages only some runs import: missing, they would stop the run after the model loads.
+        elif path is not None and path.endswith(".parquet") and importlib.util.find_spec("pyarrow") is None:
+            problems.append(f"{flag} {path!r}: reading Parquet needs pyarrow; pip install pyarrow")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append("--tensorboard: the tensorboard package is not installed; pip install tensorboard or pass "
+                        "--no-tensorboard")
+    for flag, key, default in (("--prompt-key", args.prompt_key, DEFAULT_PROMPT_KEY),
+                               ("--answer-key", args.answer_key, None)):
+        if key is not None and not all(key.split(".")):
+            problems.append(f"{flag} {key!r}: expected a field name or a dotted path such as "
+                            f"{DEFAULT_ANSWER_KEYS[-1]}")
+        elif key != default and args.data is None:
+            problems.append(f"{flag} {key!r}: only read with --data (the built-in task has its own examples)")
     if args.reward is not None:
         problems += reward_problems(args.reward)
     problems += resume_problems(args, world_size)
@@ -246,32 +282,95 @@ def builtin_example(rng):
     return {"prompt": f"repeat:{letter}", "answer": letter * TASK_LENGTH}
 
 
-def load_jsonl(path):
-    """[{prompt, answer}] from a JSONL file; a bad line stops with its number."""
-    examples = []
+def read_rows(path):
+    """[(row number, record)] of a .jsonl or .parquet file; numbers are 1-based (a JSONL
+    file's line numbers: blank lines are skipped but counted)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet  # only --data FILE.parquet needs it
+        return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
+    rows = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                rows.append((number, json.loads(line)))
             except json.JSONDecodeError as error:
-                raise usage_error(f"--data {path}: line {number} is not JSON ({error.msg})")
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
-                    or not isinstance(record.get("answer"), (str, int, float)):
-                raise usage_error(f"--data {path}: line {number} needs a string 'prompt' and an 'answer', got "
-                                  f"{line.strip()[:80]!r}")
-            examples.append({"prompt": record["prompt"], "answer": str(record["answer"])})
+                raise usage_error(f"--data {path}: row {number} is not JSON ({error.msg})")
+    return rows
+
+
+def lookup(record, key):
+    """`record`'s value under `key`, a column name or a dotted path into nested dicts
+    ("reward_model.ground_truth"); None when absent."""
+    if key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def is_chat(prompt):
+    """Whether `prompt` is a list of chat messages ({role, content} dicts of strings)."""
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
+def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None):
+    """[{prompt, answer}] from a .jsonl or .parquet file, in our layout ({"prompt", "answer"})
+    or verl's (prompt as chat messages, the answer under reward_model.ground_truth).
+
+    prompt: a string, or a list of {role, content} messages (templated at tokenization);
+    answer: a string. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A bad row stops
+    with the file, its row number and the key.
+    """
+    answer_keys = DEFAULT_ANSWER_KEYS if answer_key is None else (answer_key,)
+    examples = []
+    for number, record in read_rows(path):
+        where = f"--data {path}: row {number}"
+        if not isinstance(record, dict):
+            raise usage_error(f"{where} is {type(record).__name__}, expected an object of named fields")
+        prompt = lookup(record, prompt_key)
+        if prompt is None:
+            raise usage_error(f"{where} has no key {prompt_key!r} (--prompt-key)")
+        if not isinstance(prompt, str) and not is_chat(prompt):
+            raise usage_error(f"{where}: {prompt_key!r} is {str(prompt)[:80]!r}; expected a string or a list of "
+                              "{role, content} chat messages")
+        answer = next((value for value in (lookup(record, key) for key in answer_keys) if value is not None), None)
+        if answer is None:
+            raise usage_error(f"{where} has no key {' nor '.join(map(repr, answer_keys))} (--answer-key)")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise usage_error(f"{where}: answer {str(answer)[:80]!r} is {type(answer).__name__}; expected a string "
+                              "or a number")
+        examples.append({"prompt": prompt, "answer": str(answer)})
     if not examples:
         raise usage_error(f"--data {path}: no examples")
     return examples
 
 
+def prompt_token_ids(tokenizer, prompt):
+    """The prompt's token ids, the one tokenization both vLLM and Megatron see: chat
+    messages through the tokenizer's chat template (with the assistant header that opens
+    the reply), a string as vLLM would encode it."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
 def check_prompts(examples, tokenizer, max_len, max_new_tokens):
-    too_long = [e["prompt"] for e in examples if len(tokenizer(e["prompt"])) + max_new_tokens > max_len]
+    """Stop before any work on chat prompts without a chat template, or prompts too long."""
+    if any(not isinstance(e["prompt"], str) for e in examples) and not tokenizer.chat_template:
+        raise usage_error(f"--data has chat-message prompts but {tokenizer.name_or_path}'s tokenizer has no chat "
+                          "template; expected a checkpoint with one (tokenizer_config.json's chat_template)")
+    too_long = [e["prompt"] for e in examples
+                if len(prompt_token_ids(tokenizer, e["prompt"])) + max_new_tokens > max_len]
     if too_long:
         raise usage_error(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
-                          f"{max_new_tokens} new tokens; first: {too_long[0][:80]!r}")
+                          f"{max_new_tokens} new tokens; first: {str(too_long[0])[:80]!r}")
 
 
 def token_credits(response_ids, answer_ids):
@@ -660,18 +759,21 @@ def sample_prompts(examples, step, args, dp_size):
             for _ in range(args.prompts_per_step * dp_size)]
 
 
-def rollout(llm, examples, params, args, rank):
+def rollout(llm, tokenizer, examples, params, args, rank):
     """All of the step's examples -> (samples, outputs): `params.n` completions per
     example, in example order, on every rank; `outputs` are this engine's RequestOutputs.
 
     Each vLLM engine (a rollout tensor-parallel group) samples a slice of the step's
     examples; the slices are gathered so every trainer rank can take its own. A sample is
-    {example, prompt_ids, response_ids, text, rollout_logprobs}.
+    {example, prompt_ids, response_ids, text, rollout_logprobs}. Prompts go to vLLM as
+    token ids (`prompt_token_ids`), and `prompt_ids` are the ids vLLM reports it sampled
+    from: Megatron trains on exactly those.
     """
     num_engines = dist.get_world_size() // args.rollout_tp
     engine, engine_rank = rank // args.rollout_tp, rank % args.rollout_tp
     share = examples[engine::num_engines]
-    outputs = llm.generate([e["prompt"] for e in share], params, use_tqdm=False) if share else []
+    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
+    outputs = llm.generate(prompts, params, use_tqdm=False) if share else []
     mine = []
     for example, output in zip(share, outputs):
         for completion in output.outputs:
@@ -698,7 +800,7 @@ def sampling_params(args, n, temperature):
                           ignore_eos=args.data is None, skip_special_tokens=False)
 
 
-def generate(llm, meter, examples, args, rank, step):
+def generate(llm, meter, tokenizer, examples, args, rank, step):
     """The rollout phase: completions, this engine's draft acceptance (None without
     drafting), and vLLM put to sleep on a GPU so Megatron gets its memory.
 
@@ -706,7 +808,7 @@ def generate(llm, meter, examples, args, rank, step):
     engine): step s's rollout depends on those and the weights alone, so a run resumed
     from a checkpoint samples what the uninterrupted run sampled."""
     torch.manual_seed((args.seed * SEED_STRIDE + step) * SEED_STRIDE + rank // args.rollout_tp)
-    samples, outputs = rollout(llm, examples, sampling_params(args, args.group_size, args.temperature), args, rank)
+    samples, outputs = rollout(llm, tokenizer, examples, sampling_params(args, args.group_size, args.temperature), args, rank)
     acceptance = meter.read(outputs) if meter is not None else None
     if torch.cuda.is_available():
         # Level 2 drops vLLM's weights (every sync pushes them all again); level 1 keeps a
@@ -736,7 +838,7 @@ def score(samples, tokenizer, reward_function, args):
 def evaluate(llm, held_out, tokenizer, reward_function, args, rank):
     """Greedy completions of the held-out examples, scored like training's:
     {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
-    samples, _ = rollout(llm, held_out, sampling_params(args, 1, 0.0), args, rank)
+    samples, _ = rollout(llm, tokenizer, held_out, sampling_params(args, 1, 0.0), args, rank)
     rewards = torch.tensor([sum(row) / len(row) for row in
                             (credits_of(sample, tokenizer, reward_function, args) for sample in samples)])
     return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
@@ -959,10 +1061,31 @@ def step_record(step, samples, rewards, train_metrics, acceptance, sync_result, 
     }
 
 
-def log_step(record, metrics_path, args, seconds_so_far, steps_done):
-    """Rank 0: append the record to metrics.jsonl and print the step line with its ETA."""
+def open_tensorboard(args, start_step):
+    """Rank 0's TensorBoard writer on OUT/tensorboard (None with --no-tensorboard). A resumed
+    run hides what an earlier run logged past `start_step`, as metrics.jsonl drops it."""
+    if not args.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+
+def write_tensorboard(writer, record):
+    """Every number of the record as a scalar at its step, under its metrics.jsonl name
+    (strings and None have no curve); flushed, so a crash loses no finished step."""
+    for name, value in record.items():
+        if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            writer.add_scalar(name, value, record["step"])
+    writer.flush()
+
+
+def log_step(record, metrics_path, writer, args, seconds_so_far, steps_done):
+    """Rank 0: append the record to metrics.jsonl (and TensorBoard, `writer` not None) and
+    print the step line with its ETA."""
     with open(metrics_path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    if writer is not None:
+        write_tensorboard(writer, record)
     eta = seconds_so_far / steps_done * (args.steps - record["step"])
     accept = f"{record['acceptance_rate']:.2f}" if record["acceptance_rate"] is not None else "-"
     print(f"step {record['step']}/{args.steps} reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} "
@@ -1021,8 +1144,9 @@ def _broadcast(value):
 def main(args):
     hf_config = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     resume_dir = choose_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))
-    examples, held_out = split_examples(load_jsonl(args.data) if args.data else None,
-                                        load_jsonl(args.eval_data) if args.eval_data else None, args.seed)
+    examples, held_out = split_examples(
+        load_examples(args.data, args.prompt_key, args.answer_key) if args.data else None,
+        load_examples(args.eval_data, args.prompt_key, args.answer_key) if args.eval_data else None, args.seed)
     reward_function = load_reward_function(args.reward) if args.reward else None
     args.mtp_rollout = hf_config.get("num_nextn_predict_layers", 0) > 0 if args.mtp_rollout is None \
         else args.mtp_rollout
@@ -1035,16 +1159,18 @@ def main(args):
     torch.manual_seed(args.seed)
     # The built-in model is written once and cached; only rank 0 writes it.
     model_dir = args.model or _broadcast(tiny_model.build_tiny_mimo(DEFAULT_MODEL_DIR) if rank == 0 else None)
+    # The one tokenizer of prompts and answers (vLLM loads the same, through transformers):
+    # prompts reach vLLM as token ids, so vLLM samples from the tokens Megatron trains on.
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if examples is not None:
-        from transformers import AutoTokenizer  # vLLM's own tokenizer loader, before vLLM starts
-        check_prompts(examples + held_out, AutoTokenizer.from_pretrained(model_dir).encode,
-                      hf_config.get("max_position_embeddings", 4096), args.max_new_tokens)
+        check_prompts(examples + held_out, tokenizer, hf_config.get("max_position_embeddings", 4096),
+                      args.max_new_tokens)
     init_model_parallel(tensor_parallel=args.tp, context_parallel=args.cp, seed=args.seed)
     mtp_patch.patch_megatron_mtp()
     policy = build_policy(model_dir, args, device, dtype)
     start_step = load_checkpoint(resume_dir, policy, rank) if resume_dir else 0
     llm = build_engine(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
-    tokenizer = llm.get_tokenizer()
     if start_step:
         weight_sync.push_to_vllm(policy.model, llm, weight_version=str(start_step))
     meter = spec_config.SpecDecodeMeter(llm) if args.mtp_rollout else None
@@ -1054,6 +1180,7 @@ def main(args):
     records = keep_records(metrics_path, start_step) if rank == 0 else []
     if start_step and rank == 0:
         print(f"resumed from {resume_dir} (step {start_step})", flush=True)
+    writer = open_tensorboard(args, start_step) if rank == 0 else None
     started = time.time()
 
     for step in range(start_step + 1, args.steps + 1):
@@ -1062,7 +1189,7 @@ def main(args):
         examples_now = sample_prompts(examples, step, args, dp_size)
         # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting
         with timer("rollout"):
-            samples, acceptance = generate(llm, meter, examples_now, args, rank, step)
+            samples, acceptance = generate(llm, meter, tokenizer, examples_now, args, rank, step)
         # Rewards and GRPO advantages, then PPO on this data-parallel rank's share
         with timer("train"):
             rewards = score(samples, tokenizer, reward_function, args)
@@ -1081,11 +1208,13 @@ def main(args):
                              eval_metrics, timer.seconds)
         if rank == 0:
             records.append(record)
-            log_step(record, metrics_path, args, time.time() - started, step - start_step)
+            log_step(record, metrics_path, writer, args, time.time() - started, step - start_step)
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(args, policy, step, rank, world_size)
 
     weight_sync.save_hf_checkpoint(policy.model, model_dir, os.path.join(args.out, "final"))
+    if writer is not None:
+        writer.close()
     if rank == 0 and records:
         plot_curves(records, os.path.join(args.out, "curves.png"))
         print(f"wrote {metrics_path}, {os.path.join(args.out, 'curves.png')}, {os.path.join(args.out, 'final')}")
