@@ -193,21 +193,10 @@ class ThdBatch:
 
     def _slot_of_each_token(self):
         """[T_total] int64: for each input token, its slot in the rank-ordered concatenation of all shards."""
-        local_tokens = self.index.shape[0]
-        local_lengths = self.seqlens_padded // self.cp_size
-        local_starts = torch.cumsum(local_lengths, 0) - local_lengths
         sequence = _run_of_each_slot(self.seqlens, self.num_tokens)
         token = torch.arange(self.num_tokens, device=sequence.device)
         position = token - (torch.cumsum(self.seqlens, 0) - self.seqlens).index_select(0, sequence)
-        local_start = local_starts.index_select(0, sequence)
-        if self.cp_size == 1:
-            return local_start + position
-        chunk = (self.seqlens_padded // (CHUNKS_PER_RANK * self.cp_size)).index_select(0, sequence)
-        chunk_id, within_chunk = position // chunk, position % chunk
-        in_front_half = chunk_id < self.cp_size
-        rank = torch.where(in_front_half, chunk_id, CHUNKS_PER_RANK * self.cp_size - 1 - chunk_id)
-        offset = torch.where(in_front_half, within_chunk, chunk + within_chunk)
-        return rank * local_tokens + local_start + offset
+        return zigzag_gathered_slot(self.seqlens_padded, self.cp_size, sequence, position, self.index.shape[0])
 
 
 def zigzag_slot_positions(seqlens_padded, cp_size, cp_rank, local_tokens=None):
@@ -232,6 +221,29 @@ def zigzag_slot_positions(seqlens_padded, cp_size, cp_rank, local_tokens=None):
     run = _run_of_each_slot(run_lengths, local_tokens)
     slot = torch.arange(local_tokens, device=seqlens_padded.device)
     return run // CHUNKS_PER_RANK, slot + position_minus_slot.index_select(0, run)
+
+
+def zigzag_gathered_slot(seqlens_padded, cp_size, sequence, position, local_tokens=None):
+    """Where padded position `position` of sequence `sequence` sits once every rank's shard is
+    concatenated in rank order (an all-gather of [T_local, ...] shards along dim 0).
+
+    seqlens_padded: [B] int64 (the layout's); sequence, position: int64 tensors of one shape,
+    0 <= position < seqlens_padded[sequence]. Returns int64 of that shape, in
+    [0, cp_size * T_local). The inverse of `zigzag_slot_positions` over all ranks.
+    `local_tokens` (T_local) spares the device-to-host sync when the caller knows it.
+    """
+    if local_tokens is None:
+        local_tokens = int(seqlens_padded.sum()) // cp_size
+    local_lengths = seqlens_padded // cp_size
+    local_start = (torch.cumsum(local_lengths, 0) - local_lengths)[sequence]
+    if cp_size == 1:
+        return local_start + position
+    chunk = (seqlens_padded // (CHUNKS_PER_RANK * cp_size))[sequence]
+    chunk_id, within_chunk = position // chunk, position % chunk
+    in_front_half = chunk_id < cp_size
+    rank = torch.where(in_front_half, chunk_id, CHUNKS_PER_RANK * cp_size - 1 - chunk_id)
+    offset = torch.where(in_front_half, within_chunk, chunk + within_chunk)
+    return rank * local_tokens + local_start + offset
 
 
 def _run_of_each_slot(run_lengths, total):
