@@ -38,7 +38,7 @@ Under CP every rank all-gathers the keys and values of the whole pack (keys and 
 as one tensor, one collective). A partial exchange would not be cheaper in wall time:
 rank 0's back chunk (chunk 2cp-1) sees every chunk of every sequence, so rank 0 needs
 every other rank's whole shard, and ranks step together. The gradient of the gathered
-keys and values is all-reduced and sliced (gloo has no reduce-scatter).
+keys and values goes back by a reduce-scatter.
 
 Imports torch, megatron-core and cp_thd (the layout).
 """
@@ -185,22 +185,21 @@ class _AllGatherSequence(torch.autograd.Function):
     """Concatenate every CP rank's [T_local, ...] along dim 0, in rank order.
 
     Backward: every rank's loss used every rank's keys, so the gradient of this rank's
-    shard is the sum over ranks of the gradient its slice received (all-reduce, slice).
+    shard is the sum over ranks of the gradient its slice received: a reduce-scatter.
     """
 
     @staticmethod
     def forward(ctx, local, group):
-        ctx.group, ctx.rank, ctx.local_tokens = group, group.rank(), local.shape[0]
-        shards = [torch.empty_like(local) for _ in range(group.size())]
-        dist.all_gather(shards, local.contiguous(), group=group)
-        return torch.cat(shards, dim=0)
+        ctx.group = group
+        gathered = local.new_empty((group.size() * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        return gathered
 
     @staticmethod
     def backward(ctx, grad_gathered):
-        grad_gathered = grad_gathered.contiguous()
-        dist.all_reduce(grad_gathered, group=ctx.group)
-        start = ctx.rank * ctx.local_tokens
-        return grad_gathered[start:start + ctx.local_tokens], None
+        grad_local = grad_gathered.new_empty((grad_gathered.shape[0] // ctx.group.size(), *grad_gathered.shape[1:]))
+        dist.reduce_scatter_tensor(grad_local, grad_gathered.contiguous(), group=ctx.group)
+        return grad_local, None
 
 
 class ContextParallelTHDAttention(torch.nn.Module):
