@@ -57,6 +57,8 @@ PACK_CP_SIZE = 4
 # Sequence parallel over tp=2, so the padding comparison with the reference rule
 # (every sequence to tp*cp*2) is not trivially equal.
 PACK_TP_SIZE = 2
+# Interleaved repeats: pack_thd takes milliseconds, so many of them steady the median.
+PACK_REPEATS = 21
 
 
 def loop_pack_thd(input_ids, seqlens, cp_size, cp_rank, tp_size):
@@ -83,6 +85,44 @@ def loop_pack_thd(input_ids, seqlens, cp_size, cp_rank, tp_size):
     return local_ids, local_positions
 
 
+def lean_loop_pack_thd(input_ids, seqlens, cp_size, cp_rank, tp_size):
+    """The leanest per-sequence loop: writes only the local ids and position ids, two slice
+    copies per chunk (padding slots keep the zeros and the clamped positions they start with)."""
+    lengths = seqlens.tolist()
+    multiple = 2 * cp_size
+    padded = [-(-length // multiple) * multiple for length in lengths]
+    padded[-1] += -sum(padded) % (tp_size * cp_size * multiple) if sum(padded) % (tp_size * cp_size) else 0
+    positions_table = torch.arange(max(padded))
+    local_ids = torch.zeros(sum(padded) // cp_size, dtype=input_ids.dtype)
+    local_positions = torch.empty(sum(padded) // cp_size, dtype=torch.int64)
+    source, slot = 0, 0
+    for length, padded_length in zip(lengths, padded):
+        chunk = padded_length // multiple
+        for start in (cp_rank * chunk, (multiple - 1 - cp_rank) * chunk):
+            real = min(chunk, max(length - start, 0))
+            if real:
+                local_ids[slot:slot + real] = input_ids[source + start:source + start + real]
+                local_positions[slot:slot + real] = positions_table[start:start + real]
+            if real < chunk:
+                local_positions[slot + real:slot + chunk] = length - 1
+            slot += chunk
+        source += length
+    return local_ids, local_positions
+
+
+def interleaved_median_ms(functions, repeats=PACK_REPEATS):
+    """Median wall time in ms of each function, called in turn each repeat (after one warm-up
+    round): a burst of load from other processes hits every function alike."""
+    times = [[] for _ in functions]
+    for repeat in range(repeats + 1):
+        for fn, fn_times in zip(functions, times):
+            start = time.perf_counter()
+            fn()
+            if repeat:
+                fn_times.append(time.perf_counter() - start)
+    return [1000 * statistics.median(fn_times) for fn_times in times]
+
+
 def row_pack_thd():
     generator = torch.Generator().manual_seed(0)
     seqlens = torch.randint(1, PACK_MAX_LENGTH + 1, (PACK_NUM_SEQUENCES,), generator=generator)
@@ -96,11 +136,29 @@ def row_pack_thd():
     def baseline():
         return loop_pack_thd(input_ids, seqlens, PACK_CP_SIZE, rank, PACK_TP_SIZE)
 
+    def lean():
+        return lean_loop_pack_thd(input_ids, seqlens, PACK_CP_SIZE, rank, PACK_TP_SIZE)
+
     batch = ours()
-    loop_ids, loop_positions = baseline()
-    if not (torch.equal(batch.input_ids, loop_ids) and torch.equal(batch.position_ids, loop_positions)):
-        raise AssertionError("pack_thd and the loop baseline disagree: the timing would compare different work")
-    ours_ms, baseline_ms = median_ms(ours), median_ms(baseline)
+    for name, (loop_ids, loop_positions) in (("loop", baseline()), ("lean loop", lean())):
+        if not (torch.equal(batch.input_ids, loop_ids) and torch.equal(batch.position_ids, loop_positions)):
+            raise AssertionError(f"pack_thd and the {name} baseline disagree: the timing would compare different work")
+    # What pack_thd must write: its three per-slot outputs. The machine's copy bandwidth,
+    # twice: into memory already mapped, and cloning each output (fresh tensors, as pack_thd
+    # writes: glibc maps blocks this large afresh, so a first touch pays page faults).
+    outputs = (batch.input_ids, batch.position_ids, batch.index)
+    output_bytes = sum(tensor.numel() * tensor.element_size() for tensor in outputs)
+    destinations = [torch.empty_like(tensor) for tensor in outputs]
+
+    def copy_mapped():
+        for destination, source in zip(destinations, outputs):
+            destination.copy_(source)
+
+    def copy_fresh():
+        return [source.clone() for source in outputs]
+
+    ours_ms, baseline_ms, lean_ms, mapped_ms, fresh_ms = interleaved_median_ms(
+        [ours, baseline, lean, copy_mapped, copy_fresh])
 
     real = int(seqlens.sum())
     ours_padded = int(batch.seqlens_padded.sum())
@@ -112,7 +170,11 @@ def row_pack_thd():
         "baseline_ms": baseline_ms,
         "speedup": baseline_ms / ours_ms,
         "notes": (f"{PACK_NUM_SEQUENCES} seqs len U[1,{PACK_MAX_LENGTH}], cp={PACK_CP_SIZE} rank {rank}, "
-                  f"tp={PACK_TP_SIZE}+SP; padding {(ours_padded - real) / ours_padded:.2%} "
+                  f"tp={PACK_TP_SIZE}+SP; lean loop (ids+positions only) {lean_ms:.1f} ms: "
+                  f"{lean_ms / ours_ms:.1f}x; writes {output_bytes / 1e6:.1f} MB: {output_bytes / ours_ms / 1e6:.2f} "
+                  f"GB/s vs copy {output_bytes / fresh_ms / 1e6:.2f} GB/s into fresh tensors "
+                  f"({output_bytes / mapped_ms / 1e6:.2f} GB/s into mapped memory); "
+                  f"padding {(ours_padded - real) / ours_padded:.2%} "
                   f"vs {(rule_padded - real) / rule_padded:.2%} with tp*cp*2={rule} per seq"),
     }
 
@@ -217,9 +279,9 @@ def row_weight_sync_push():
 # forward+backward: packed THD forward_logprobs (CP 1 and 2) vs a padded bshd batch
 # ---------------------------------------------------------------------------------------
 
-# 24, not more: packed THD attention here is dense over the whole pack (cp_attention.py
-# masks a [T, T] score matrix), so a bigger batch pushes the row past a minute.
-TRAIN_NUM_SEQUENCES = 24
+TRAIN_BATCH_SIZES = (24, 64, 128)
+# The batch whose tokens/s CP=2 is measured on (against CP=1).
+CP_BATCH_SIZE = 64
 TRAIN_MIN_LENGTH = 16
 TRAIN_MAX_LENGTH = 256
 # Lognormal lengths, median 64 tokens: most responses short, a tail up to the cap, as in RL rollouts.
@@ -230,12 +292,17 @@ TRAIN_REPEATS = 3
 ENTROPY_COEFFICIENT = 0.01
 # fp32 on CPU, the same math in two layouts (the suite's forward tolerance).
 LAYOUT_TOLERANCE = 1e-5
+# attention scaling: B sequences of one length, smallest and largest B. Attention whose
+# work is per sequence makes the step time grow like B; a dense [T, T] mask, like B^2.
+SCALING_LENGTH = 64
+SCALING_BATCH_SIZES = (8, 96)
+SCALING_REPEATS = 5
 
 
-def training_batch(vocab_size):
+def training_batch(vocab_size, num_sequences=TRAIN_BATCH_SIZES[0]):
     """(input_ids [T] int64, seqlens [B] int64), the same in every process."""
     generator = torch.Generator().manual_seed(0)
-    log_lengths = torch.randn(TRAIN_NUM_SEQUENCES, generator=generator) * TRAIN_LOG_LENGTH_STD + TRAIN_LOG_LENGTH_MEAN
+    log_lengths = torch.randn(num_sequences, generator=generator) * TRAIN_LOG_LENGTH_STD + TRAIN_LOG_LENGTH_MEAN
     seqlens = log_lengths.exp().round().long().clamp(TRAIN_MIN_LENGTH, TRAIN_MAX_LENGTH)
     input_ids = torch.randint(0, vocab_size, (int(seqlens.sum()),), generator=generator)
     return input_ids, seqlens
@@ -247,17 +314,21 @@ def policy_loss(logprobs, entropy, mask):
     return -(logprobs * mask).sum() / num_tokens - ENTROPY_COEFFICIENT * (entropy * mask).sum() / num_tokens
 
 
-def median_step_ms(model, step):
-    """(median wall time in ms, first result) of zero-grad + `step()` (forward, loss, backward),
-    timed after warm-up steps."""
-    times, results = [], []
-    for iteration in range(TRAIN_WARMUP + TRAIN_REPEATS):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        results.append(step())
-        if iteration >= TRAIN_WARMUP:
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times), results[0]
+def interleaved_step_ms(steps, repeats=TRAIN_REPEATS):
+    """{name: (median wall time in ms, first result)} of zero-grad + `step()` (forward, loss,
+    backward) for each name -> (model, step), the steps taking turns after warm-up rounds:
+    a burst of load from other processes hits every step alike."""
+    times = {name: [] for name in steps}
+    first = {}
+    for iteration in range(TRAIN_WARMUP + repeats):
+        for name, (model, step) in steps.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            result = step()
+            if iteration >= TRAIN_WARMUP:
+                times[name].append(time.perf_counter() - start)
+            first.setdefault(name, result)
+    return {name: (1000 * statistics.median(times[name]), first[name]) for name in steps}
 
 
 def thd_step(model, input_ids, seqlens, mtp_train):
@@ -287,60 +358,148 @@ def bshd_step(model, input_ids, seqlens):
     return logprobs[real].detach(), entropy[real].detach()
 
 
-def measure_forward_backward(checkpoint, threads, with_bshd):
-    """Runs in spawned processes (one per CP rank): median step times in ms.
+def bshd_mtp_step(model, input_ids, seqlens):
+    """`bshd_step` with MTP training: labels and loss mask go to the model, so megatron adds
+    the MTP loss to the graph; log-probs and entropy come from the captured main logits."""
+    lengths = seqlens.tolist()
+    max_length = max(lengths)
+    padded = torch.zeros(len(lengths), max_length, dtype=torch.long)
+    real = torch.zeros(len(lengths), max_length, dtype=torch.bool)
+    mask = torch.zeros(len(lengths), max_length)
+    for row, sequence in enumerate(torch.split(input_ids, lengths)):
+        padded[row, :len(sequence)] = sequence
+        real[row, :len(sequence)] = True
+        mask[row, :len(sequence) - 1] = 1.0
+    labels = torch.cat([padded[:, 1:], torch.zeros(len(lengths), 1, dtype=torch.long)], dim=1)
+    positions = torch.arange(max_length).expand(len(lengths), max_length)
+    captured = []
 
-    "thd_mtp": forward_logprobs with MTP training and entropy, at the world size as CP.
-    With `with_bshd` (CP 1), also the same step without MTP on the THD path ("thd") and on
-    a padded bshd batch ("bshd"), on the same weights, after checking that both layouts
-    give the same log-probs and entropy.
+    def keep_logits(module, args, output):
+        # The output layer runs for each MTP layer, then for the main model (the last call);
+        # megatron's cross entropy then works on its input in place: it gets a copy.
+        captured.append(output[0])
+        return output[0].clone(), output[1]
+
+    hook = model.output_layer.register_forward_hook(keep_logits)
+    try:
+        model(padded, positions, None, labels=labels, loss_mask=mask)
+    finally:
+        hook.remove()
+    log_probs = torch.log_softmax(captured[-1].transpose(0, 1).float(), dim=-1)  # [s, b, v] -> [b, s, v]
+    logprobs = log_probs.gather(-1, labels[..., None])[..., 0] * mask
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    policy_loss(logprobs, entropy, mask).backward()
+    return logprobs[real].detach(), entropy[real].detach()
+
+
+def check_same_outputs(thd_out, bshd_out, input_ids):
+    """Raise unless a THD step and a bshd step gave the same log-probs and entropy (same weights)."""
+    logprobs, entropy = bshd_out
+    real = thd_out.batch.pack(torch.ones_like(input_ids)).bool()
+    next_token = thd_out.loss_mask[real] > 0
+    if not (torch.allclose(thd_out.logprobs[real][next_token].detach(), logprobs[next_token], rtol=0,
+                           atol=LAYOUT_TOLERANCE)
+            and torch.allclose(thd_out.entropy[real].detach(), entropy, rtol=0, atol=LAYOUT_TOLERANCE)):
+        raise AssertionError("packed THD and padded bshd disagree: the timing would compare different work")
+
+
+def measure_forward_backward(checkpoint, threads, batch_sizes, with_bshd):
+    """Runs in spawned processes (one per CP rank): {(step, B): median ms} for B in `batch_sizes`.
+
+    Steps: "thd_mtp" and "thd", forward_logprobs with entropy, with and without MTP training,
+    at the world size as CP. With `with_bshd` (CP 1), also the padded bshd
+    batch through megatron's local attention without and with MTP ("bshd", "bshd_mtp"),
+    on the same weights, after checking that both layouts give the same log-probs.
     """
     torch.set_num_threads(threads)
     _, world_size, _ = cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
     cpu_backend.init_model_parallel(context_parallel=world_size, seed=0)
-    input_ids, seqlens = training_batch(tiny_model.VOCAB_SIZE)
-    model = build_gpt_model(checkpoint, attention="thd", context_parallel=world_size)
-    times = {"thd_mtp": median_step_ms(model, lambda: thd_step(model, input_ids, seqlens, mtp_train=True))[0]}
+    models = {"thd_mtp": build_gpt_model(checkpoint, attention="thd", context_parallel=world_size),
+              "thd": build_gpt_model(checkpoint, mtp=False, attention="thd", context_parallel=world_size)}
     if with_bshd:
-        thd_model = build_gpt_model(checkpoint, mtp=False, attention="thd")
-        bshd_model = build_gpt_model(checkpoint, mtp=False, attention="local")
-        bshd_model.load_state_dict(thd_model.state_dict(), strict=False)
-        times["thd"], out = median_step_ms(thd_model, lambda: thd_step(thd_model, input_ids, seqlens,
-                                                                      mtp_train=False))
-        times["bshd"], (logprobs, entropy) = median_step_ms(bshd_model,
-                                                            lambda: bshd_step(bshd_model, input_ids, seqlens))
-        # The first steps ran before any optimiser could move the weights: same weights, same math.
-        real = out.batch.pack(torch.ones_like(input_ids)).bool()
-        next_token = out.loss_mask[real] > 0
-        if not (torch.allclose(out.logprobs[real][next_token].detach(), logprobs[next_token], rtol=0,
-                               atol=LAYOUT_TOLERANCE)
-                and torch.allclose(out.entropy[real].detach(), entropy, rtol=0, atol=LAYOUT_TOLERANCE)):
-            raise AssertionError("packed THD and padded bshd disagree: the timing would compare different work")
+        models["bshd"] = build_gpt_model(checkpoint, mtp=False, attention="local")
+        models["bshd_mtp"] = build_gpt_model(checkpoint, attention="local")
+    for name in models:
+        models[name].load_state_dict(models["thd_mtp"].state_dict(), strict=False)
+    times = {}
+    for num_sequences in batch_sizes:
+        input_ids, seqlens = training_batch(tiny_model.VOCAB_SIZE, num_sequences)
+        steps = {"thd_mtp": lambda: thd_step(models["thd_mtp"], input_ids, seqlens, mtp_train=True),
+                 "thd": lambda: thd_step(models["thd"], input_ids, seqlens, mtp_train=False)}
+        if with_bshd:
+            steps["bshd"] = lambda: bshd_step(models["bshd"], input_ids, seqlens)
+            steps["bshd_mtp"] = lambda: bshd_mtp_step(models["bshd_mtp"], input_ids, seqlens)
+        results = interleaved_step_ms({name: (models[name], step) for name, step in steps.items()})
+        if with_bshd:
+            # The first steps ran before any optimiser could move the weights: same weights, same math.
+            for thd, bshd in (("thd", "bshd"), ("thd_mtp", "bshd_mtp")):
+                check_same_outputs(results[thd][1], results[bshd][1], input_ids)
+        times.update({(name, num_sequences): ms for name, (ms, _) in results.items()})
     return times
+
+
+def measure_attention_scaling(checkpoint, threads):
+    """Runs in a spawned process: {B: median ms} of the THD step (no MTP, with entropy) on B
+    sequences of SCALING_LENGTH tokens, CP 1."""
+    torch.set_num_threads(threads)
+    cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    cpu_backend.init_model_parallel(seed=0)
+    model = build_gpt_model(checkpoint, mtp=False, attention="thd")
+    steps = {}
+    for num_sequences in SCALING_BATCH_SIZES:
+        seqlens = torch.full((num_sequences,), SCALING_LENGTH)
+        input_ids = torch.randint(0, tiny_model.VOCAB_SIZE, (int(seqlens.sum()),),
+                                  generator=torch.Generator().manual_seed(0))
+        steps[num_sequences] = (model, lambda input_ids=input_ids, seqlens=seqlens:
+                                thd_step(model, input_ids, seqlens, mtp_train=False))
+    return {num_sequences: ms for num_sequences, (ms, _) in interleaved_step_ms(steps, SCALING_REPEATS).items()}
 
 
 def row_forward_backward():
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as directory:
         checkpoint = tiny_model.build_tiny_mimo(directory)
-        cp1 = run_in_processes(measure_forward_backward, args=(checkpoint, threads, True))[0]
-        cp2 = run_in_processes(measure_forward_backward, world_size=2, args=(checkpoint, threads, False))
-    _, seqlens = training_batch(tiny_model.VOCAB_SIZE)
-    real = int(seqlens.sum())
-    padded = len(seqlens) * int(seqlens.max())
-    # Ranks step together (collectives in every layer): the slower rank is the step time.
-    cp2_ms = max(times["thd_mtp"] for times in cp2)
+        cp1 = run_in_processes(measure_forward_backward, args=(checkpoint, threads, TRAIN_BATCH_SIZES, True))[0]
+        cp2_times = run_in_processes(measure_forward_backward, world_size=2,
+                               args=(checkpoint, threads, (CP_BATCH_SIZE,), False))
+    rows = []
+    for num_sequences in TRAIN_BATCH_SIZES:
+        _, seqlens = training_batch(tiny_model.VOCAB_SIZE, num_sequences)
+        real = int(seqlens.sum())
+        padded = len(seqlens) * int(seqlens.max())
+        thd, bshd = cp1[("thd", num_sequences)], cp1[("bshd", num_sequences)]
+        thd_mtp, bshd_mtp = cp1[("thd_mtp", num_sequences)], cp1[("bshd_mtp", num_sequences)]
+        notes = (f"tiny MiMo, {num_sequences} seqs lognormal len {int(seqlens.min())}..{int(seqlens.max())}, "
+                 f"{real} real tokens vs {padded} padded bshd (padding {(padded - real) / padded:.1%}), "
+                 f"+entropy, no MTP; with MTP: THD {thd_mtp:.0f} ms vs bshd {bshd_mtp:.0f} ms, "
+                 f"{bshd_mtp / thd_mtp:.2f}x; CP1 {real / thd_mtp * 1000:.0f} tok/s")
+        if num_sequences == CP_BATCH_SIZE:
+            # Ranks step together (collectives in every layer): the slower rank is the step time.
+            cp2_mtp, cp2 = (max(times[(name, num_sequences)] for times in cp2_times) for name in ("thd_mtp", "thd"))
+            notes += (f", CP2 {real / cp2_mtp * 1000:.0f} tok/s ({cp2_mtp:.0f} ms, 2 procs x {threads} thr): "
+                      f"{thd_mtp / cp2_mtp:.2f}x CP1; without MTP: CP1 {real / thd * 1000:.0f} tok/s, "
+                      f"CP2 {real / cp2 * 1000:.0f} tok/s, {thd / cp2:.2f}x")
+        rows.append({"row": f"forward+backward {num_sequences} seqs", "ours_ms": thd, "baseline_ms": bshd,
+                     "speedup": bshd / thd, "notes": notes})
+    return rows
+
+
+def row_attention_scaling():
+    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as directory:
+        checkpoint = tiny_model.build_tiny_mimo(directory)
+        times = run_in_processes(measure_attention_scaling, args=(checkpoint, torch.get_num_threads()))[0]
+    smallest, largest = SCALING_BATCH_SIZES
+    growth = (times[largest] / times[smallest]) / (largest / smallest)
     return {
-        "row": "forward+backward",
-        "ours_ms": cp1["thd"],
-        "baseline_ms": cp1["bshd"],
-        "speedup": cp1["bshd"] / cp1["thd"],
-        "notes": (f"tiny MiMo, {len(seqlens)} seqs lognormal len {int(seqlens.min())}..{int(seqlens.max())}, "
-                  f"{real} real tokens vs {padded} padded bshd (padding {(padded - real) / padded:.1%}); "
-                  f"THD/bshd time {cp1['thd'] / cp1['bshd']:.2f} (no MTP, +entropy); "
-                  f"with MTP+entropy: CP1 {real / cp1['thd_mtp'] * 1000:.0f} tok/s ({cp1['thd_mtp']:.0f} ms), "
-                  f"CP2 {real / cp2_ms * 1000:.0f} tok/s ({cp2_ms:.0f} ms, 2 procs x {threads} thr)"),
+        "row": "attention scaling",
+        "ours_ms": times[largest],
+        "baseline_ms": times[smallest],
+        "speedup": None,
+        "notes": (f"THD forward+backward (no MTP, +entropy), B seqs of {SCALING_LENGTH} tokens, CP 1: "
+                  f"B={largest} {times[largest]:.0f} ms vs B={smallest} {times[smallest]:.0f} ms; time grows "
+                  f"{growth:.2f}x faster than B (1.00: linear)"),
     }
 
 
@@ -424,6 +583,7 @@ ROWS = {
     "pack_thd": row_pack_thd,
     "weight_sync_push": row_weight_sync_push,
     "forward_backward": row_forward_backward,
+    "attention_scaling": row_attention_scaling,
     "optimizer_step": row_optimizer_step,
 }
 
@@ -455,7 +615,8 @@ def main():
     for number, name in enumerate(args.rows, 1):
         print(f"[{number}/{len(args.rows)}] {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        results.append(ROWS[name]())
+        result = ROWS[name]()
+        results.extend(result if isinstance(result, list) else [result])
         print(f"[{number}/{len(args.rows)}] {name} done in {time.perf_counter() - start:.1f}s", file=sys.stderr,
               flush=True)
     print_table(results)

@@ -75,9 +75,19 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
         total_multiple = math.lcm(multiple, tp_size * cp_size)
         seqlens_padded[-1] += (-seqlens_padded.sum()) % total_multiple
 
-    # The one device-to-host sync: checks the lengths and sizes the output together.
-    shortest, total, total_padded, longest_padded = torch.stack(
-        [seqlens.min(), seqlens.sum(), seqlens_padded.sum(), seqlens_padded.max()]).tolist()
+    # The local layout is 2B runs of consecutive slots (two chunks per sequence; at cp 1 the
+    # sequence's two halves). Within a run, position = slot + a per-run constant, and so is
+    # the input index; padding (positions past the sequence's length) is a run's tail.
+    run_lengths, position_minus_slot = _zigzag_runs(seqlens_padded, cp_size, cp_rank)
+    sequence_starts = torch.cumsum(seqlens, 0) - seqlens
+    # Both runs of a sequence share its length and start.
+    run_seqlens, run_sequence_starts = (torch.stack([v, v], 1).view(-1) for v in (seqlens, sequence_starts))
+    run_starts = torch.cumsum(run_lengths, 0) - run_lengths
+    run_padding = (run_starts + run_lengths + position_minus_slot - run_seqlens).clamp_(min=0).minimum(run_lengths)
+
+    # The one device-to-host sync: checks the lengths and sizes the outputs together.
+    shortest, total, total_padded, longest_padded, local_padding = torch.stack(
+        [seqlens.min(), seqlens.sum(), seqlens_padded.sum(), seqlens_padded.max(), run_padding.sum()]).tolist()
     if shortest < 1:
         first_bad = int(torch.nonzero(seqlens < 1)[0])
         raise ValueError(f"seqlens[{first_bad}] = {int(seqlens[first_bad])}: every sequence length must be >= 1")
@@ -86,16 +96,21 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
                          f"expected the lengths of the concatenated sequences")
     local_tokens = total_padded // cp_size
 
-    sequence, padded_position = zigzag_slot_positions(seqlens_padded, cp_size, cp_rank, local_tokens)
-    length = seqlens.index_select(0, sequence)
-    is_padding = padded_position >= length
-    # Padding reads its sequence's last token and position: always in range, no masking
-    # needed before the gather.
-    position_ids = torch.minimum(padded_position, length - 1)
-    sequence_starts = torch.cumsum(seqlens, 0) - seqlens
-    index = sequence_starts.index_select(0, sequence) + position_ids
-    local_input_ids = input_ids.index_select(0, index).masked_fill_(is_padding, pad_id)
-    index.masked_fill_(is_padding, PADDING_INDEX)
+    # Two passes each (a fill and a cumsum) give every slot its position and input index as
+    # if no slot were padding; one gather reads the ids. The few padding slots (at most
+    # 2*cp-1 per sequence, plus the tp top-up) are then overwritten in place: at memory
+    # speed, with no per-slot masks (a masked write costs several passes on CPU).
+    position_ids = _slot_plus_run_value(run_lengths, position_minus_slot, local_tokens)
+    index = _slot_plus_run_value(run_lengths, run_sequence_starts + position_minus_slot, local_tokens)
+    padding_run = _run_of_each_slot(run_padding, local_padding)
+    padding_slot = _slot_plus_run_value(run_padding, run_starts + run_lengths - run_padding
+                                        - (torch.cumsum(run_padding, 0) - run_padding), local_padding)
+    # Padding reads its sequence's last token and position: always in range.
+    last_position = (run_seqlens - 1).index_select(0, padding_run)
+    position_ids.index_copy_(0, padding_slot, last_position)
+    index.index_copy_(0, padding_slot, last_position + run_sequence_starts.index_select(0, padding_run))
+    local_input_ids = input_ids.index_select(0, index).index_fill_(0, padding_slot, pad_id)
+    index.index_fill_(0, padding_slot, PADDING_INDEX)
     cu_seqlens_padded = torch.nn.functional.pad(torch.cumsum(seqlens_padded, 0), (1, 0)).to(torch.int32)
     # cu_seqlens_q/kv are the *padded* boundaries too, for two reasons:
     # - megatron's MTP `roll_tensor` (packed path) cuts the local tensor at
@@ -193,45 +208,65 @@ class ThdBatch:
 
     def _slot_of_each_token(self):
         """[T_total] int64: for each input token, its slot in the rank-ordered concatenation of all shards."""
-        local_tokens = self.index.shape[0]
-        local_lengths = self.seqlens_padded // self.cp_size
-        local_starts = torch.cumsum(local_lengths, 0) - local_lengths
         sequence = _run_of_each_slot(self.seqlens, self.num_tokens)
         token = torch.arange(self.num_tokens, device=sequence.device)
         position = token - (torch.cumsum(self.seqlens, 0) - self.seqlens).index_select(0, sequence)
-        local_start = local_starts.index_select(0, sequence)
-        if self.cp_size == 1:
-            return local_start + position
-        chunk = (self.seqlens_padded // (CHUNKS_PER_RANK * self.cp_size)).index_select(0, sequence)
-        chunk_id, within_chunk = position // chunk, position % chunk
-        in_front_half = chunk_id < self.cp_size
-        rank = torch.where(in_front_half, chunk_id, CHUNKS_PER_RANK * self.cp_size - 1 - chunk_id)
-        offset = torch.where(in_front_half, within_chunk, chunk + within_chunk)
-        return rank * local_tokens + local_start + offset
+        return zigzag_gathered_slot(self.seqlens_padded, self.cp_size, sequence, position, self.index.shape[0])
 
 
-def zigzag_slot_positions(seqlens_padded, cp_size, cp_rank, local_tokens=None):
-    """Sequence and padded position of every slot CP rank `cp_rank` holds.
+def _zigzag_runs(seqlens_padded, cp_size, cp_rank):
+    """CP rank `cp_rank`'s share of each sequence as two runs of consecutive slots: chunk
+    cp_rank, then chunk 2*cp-1-cp_rank (at cp_size 1: the sequence's two halves, in order).
 
     seqlens_padded: [B] int64, each a multiple of 2*cp_size (any length at cp_size 1).
-    Returns (sequence [T_local] int64, position [T_local] int64); a position at or past
-    its sequence's true length is padding. `local_tokens` = sum(seqlens_padded) // cp_size
-    spares the device-to-host sync when the caller knows it.
+    Returns (run_lengths [2B] int64, position_minus_slot [2B] int64): within a run, a slot's
+    padded position in its sequence is slot + position_minus_slot.
+    """
+    chunk = seqlens_padded // (CHUNKS_PER_RANK * cp_size)
+    mirror = CHUNKS_PER_RANK * cp_size - 1 - cp_rank
+    run_lengths = torch.stack([chunk, seqlens_padded // cp_size - chunk], 1).view(-1)
+    run_starts = torch.cumsum(run_lengths, 0) - run_lengths
+    position_minus_slot = torch.stack([cp_rank * chunk, mirror * chunk], 1).view(-1) - run_starts
+    return run_lengths, position_minus_slot
 
-    A rank's share of a sequence is two runs of slots: chunk cp_rank, then chunk
-    2*cp-1-cp_rank (with cp 1: the two halves of the sequence, in order). Within a run,
-    position = slot + a per-run constant, so the per-slot work is one gather and an add.
+
+def zigzag_gathered_slot(seqlens_padded, cp_size, sequence, position, local_tokens=None):
+    """Where padded position `position` of sequence `sequence` sits once every rank's shard is
+    concatenated in rank order (an all-gather of [T_local, ...] shards along dim 0).
+
+    seqlens_padded: [B] int64 (the layout's); sequence, position: int64 tensors of one shape,
+    0 <= position < seqlens_padded[sequence]. Returns int64 of that shape, in
+    [0, cp_size * T_local).
+    `local_tokens` (T_local) spares the device-to-host sync when the caller knows it.
     """
     if local_tokens is None:
         local_tokens = int(seqlens_padded.sum()) // cp_size
-    chunk = seqlens_padded // (CHUNKS_PER_RANK * cp_size)
-    mirror = CHUNKS_PER_RANK * cp_size - 1 - cp_rank
-    run_lengths = torch.stack([chunk, seqlens_padded // cp_size - chunk], 1).view(-1)       # [2B]
+    local_lengths = seqlens_padded // cp_size
+    local_start = (torch.cumsum(local_lengths, 0) - local_lengths)[sequence]
+    if cp_size == 1:
+        return local_start + position
+    chunk = (seqlens_padded // (CHUNKS_PER_RANK * cp_size))[sequence]
+    chunk_id, within_chunk = position // chunk, position % chunk
+    in_front_half = chunk_id < cp_size
+    rank = torch.where(in_front_half, chunk_id, CHUNKS_PER_RANK * cp_size - 1 - chunk_id)
+    offset = torch.where(in_front_half, within_chunk, chunk + within_chunk)
+    return rank * local_tokens + local_start + offset
+
+
+def _slot_plus_run_value(run_lengths, run_values, total):
+    """[total] int64: slot + run_values[run], for `total` = sum(run_lengths) consecutive
+    slots, each in its run.
+
+    One fill and one cumsum: ones (the slope), plus at each run's first slot the step from
+    the previous run's value (an empty run's step lands on the slot it shares with the next
+    run, and the steps add up). No per-slot run id, no gather.
+    """
     run_starts = torch.cumsum(run_lengths, 0) - run_lengths
-    position_minus_slot = torch.stack([cp_rank * chunk, mirror * chunk], 1).view(-1) - run_starts
-    run = _run_of_each_slot(run_lengths, local_tokens)
-    slot = torch.arange(local_tokens, device=seqlens_padded.device)
-    return run // CHUNKS_PER_RANK, slot + position_minus_slot.index_select(0, run)
+    steps = torch.diff(run_values, prepend=run_values.new_zeros(1))
+    increments = torch.ones(total + 1, dtype=torch.int64, device=run_lengths.device)
+    increments[0] = 0  # the cumsum counts slots from 0
+    increments.index_add_(0, run_starts, steps)
+    return increments[:total].cumsum_(0)
 
 
 def _run_of_each_slot(run_lengths, total):
@@ -245,7 +280,7 @@ def _run_of_each_slot(run_lengths, total):
     ends = torch.cumsum(run_lengths, 0)
     markers = torch.zeros(total + 1, dtype=torch.int64, device=run_lengths.device)
     markers.index_add_(0, ends, torch.ones_like(ends))
-    return torch.cumsum(markers[:total], 0)
+    return markers[:total].cumsum_(0)
 
 
 def _check_layout(cp_size, cp_rank, tp_size, pad_multiple):

@@ -426,6 +426,103 @@ def test_forward_fully_masked_cp_shard_gives_zero_loss_and_finite_gradients(tiny
     _assert_forward_equal(reference, rank0)
 
 
+# cp_attention.packed_causal_attention against the dense [T, T] mask it replaced, computed
+# in float64: every CP rank of a layout run in one process (the all-gather is a
+# concatenation of shards). fp32 rounding: the dense fp32 path itself is 1.2e-6 - 2.0e-6 off
+# that reference on gradients of sequences up to 120 tokens (GQA sums heads into one group).
+ATTENTION_TOLERANCE = 3e-6
+ATTENTION_HEAD_DIM = 16
+
+
+def _dense_packed_attention(query, key, value, seqlens, dropout_p=0.0):
+    """The previous implementation in input order: one SDPA over the whole pack with a
+    [T, T] mask (same sequence, key position <= query position). [T, n, d] -> [T, heads * d]."""
+    sequence = torch.repeat_interleave(torch.arange(len(seqlens)), torch.tensor(seqlens))
+    position = torch.arange(len(sequence)) - (torch.cumsum(torch.tensor(seqlens), 0) - torch.tensor(seqlens))[sequence]
+    mask = (sequence[:, None] == sequence[None, :]) & (position[None, :] <= position[:, None])
+    heads_per_group = query.shape[1] // key.shape[1]
+    k, v = (t.repeat_interleave(heads_per_group, dim=1).transpose(0, 1) for t in (key, value))
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), k, v, attn_mask=mask, dropout_p=dropout_p)
+    return out.transpose(0, 1).reshape(len(sequence), -1)
+
+
+def _sharded_packed_attention(query, key, value, seqlens, cp_size, dropout_p=0.0):
+    """Every rank's packed_causal_attention on its shard, merged back to input order [T, heads * d]."""
+    import cp_attention
+    batches = [cp_thd.pack_thd(torch.arange(len(query)), seqlens, cp_size=cp_size, cp_rank=rank)
+               for rank in range(cp_size)]
+    gathered_key = torch.cat([batch.pack(key) for batch in batches])
+    gathered_value = torch.cat([batch.pack(value) for batch in batches])
+    outputs = [cp_attention.packed_causal_attention(batch.pack(query), gathered_key, gathered_value,
+                                                    batch.seqlens_padded, cp_size, rank, dropout_p=dropout_p)
+               for rank, batch in enumerate(batches)]
+    return batches[0].merge_shards(outputs)
+
+
+def test_packed_attention_equals_the_dense_mask_on_every_cp_rank_with_gradients():
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    for cp_size in (1, 2, 4):
+        for heads, groups in ((4, 2), (4, 1), (2, 2)):
+            # Length-1 sequences, sequences shorter than 2*cp, and a tail of long ones.
+            seqlens = [1, 2 * cp_size - 1, 2 * cp_size] + [rng.choice([rng.randint(1, 8), rng.randint(9, 120)])
+                                                             for _ in range(10)]
+            rng.shuffle(seqlens)
+            total = sum(seqlens)
+            inputs = [torch.randn(total, n, ATTENTION_HEAD_DIM, generator=generator, requires_grad=True)
+                      for n in (heads, groups, groups)]
+            grad_output = torch.randn(total, heads * ATTENTION_HEAD_DIM, generator=generator)
+            case = f"cp={cp_size} heads={heads} groups={groups} seqlens={seqlens}"
+            ours = _sharded_packed_attention(*inputs, seqlens, cp_size)
+            our_grads = torch.autograd.grad(ours, inputs, grad_output)
+            exact_inputs = [tensor.detach().double().requires_grad_() for tensor in inputs]
+            dense = _dense_packed_attention(*exact_inputs, seqlens)
+            dense_grads = torch.autograd.grad(dense, exact_inputs, grad_output.double())
+            for expected, actual in zip((dense, *dense_grads), (ours, *our_grads)):
+                torch.testing.assert_close(actual.double(), expected, rtol=0, atol=ATTENTION_TOLERANCE,
+                                           msg=lambda m: f"{case}: {m}")
+    # Not two zero tensors: outputs and gradients of unit-scale inputs.
+    assert dense.abs().mean() > 0.1 and dense_grads[1].abs().mean() > 0.01
+
+
+def test_packed_attention_dropout_follows_the_generator_and_keeps_the_mask():
+    generator = torch.Generator().manual_seed(1)
+    seqlens = [1, 3, 17, 40]
+    inputs = [torch.randn(sum(seqlens), n, ATTENTION_HEAD_DIM, generator=generator) for n in (4, 2, 2)]
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(_sharded_packed_attention(*inputs, seqlens, cp_size=2, dropout_p=0.5))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    without = _sharded_packed_attention(*inputs, seqlens, cp_size=2)
+    assert (runs[0] - without).abs().max() > 0.1
+    # A length-1 sequence sees only itself: dropout keeps its one value (scaled by 1/(1-p)) or drops it.
+    first = runs[0][0].view(4, ATTENTION_HEAD_DIM)
+    value = inputs[2][0].repeat_interleave(2, dim=0)
+    for head in range(4):
+        assert torch.allclose(first[head], 2 * value[head]) or torch.equal(first[head], torch.zeros_like(first[head]))
+
+
+def test_packed_attention_work_is_per_sequence_not_per_pack():
+    """The buckets' score matrices add up to the sequences' own (causal: each L^2 / cp at
+    most, bucket padding included), never to the pack's T^2."""
+    import cp_attention
+    generator = torch.Generator().manual_seed(0)
+    seqlens = (torch.randn(256, generator=generator) * 0.7 + 4.16).exp().round().long().clamp(1, 256)
+    for cp_size in (1, 2, 4):
+        for rank in range(cp_size):
+            batch = cp_thd.pack_thd(torch.arange(int(seqlens.sum())), seqlens, cp_size=cp_size, cp_rank=rank)
+            plan = cp_attention.attention_plan(batch.seqlens_padded, cp_size, rank, len(batch.index))
+            scores = sum(bucket.units * bucket.queries * bucket.keys for bucket in plan.buckets)
+            per_sequence = int((batch.seqlens_padded.double() ** 2).sum()) / cp_size
+            # The dense mask scored each of this rank's queries against every key of the pack.
+            dense = len(batch.index) * int(batch.seqlens_padded.sum())
+            assert scores <= per_sequence / cp_attention.BUCKET_LENGTH_RATIO ** 2, (cp_size, rank)
+            assert scores < dense / 20, (cp_size, rank)
+            assert all(bucket.mask is None or bucket.mask.shape == (bucket.units, 1, bucket.queries, bucket.keys)
+                       for bucket in plan.buckets)
+
+
 # ---------------------------------------------------------------------------------------
 # cp_thd: packed THD batches split across context-parallel ranks
 # ---------------------------------------------------------------------------------------
