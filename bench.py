@@ -29,7 +29,7 @@ import tiny_model
 import train_grpo
 import weight_sync
 from megatron_model import build_gpt_model
-from harness import VLLM_ENV, run_in_processes
+from harness import VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
 
 COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
 TIMING_REPEATS = 5
@@ -308,7 +308,7 @@ def training_batch(vocab_size, num_sequences=TRAIN_BATCH_SIZES[0]):
     return input_ids, seqlens
 
 
-def policy_loss(logprobs, entropy, mask):
+def surrogate_loss(logprobs, entropy, mask):
     """The shape of a GRPO loss: mean next-token log-prob plus an entropy bonus, over real tokens."""
     num_tokens = mask.sum().clamp(min=1)
     return -(logprobs * mask).sum() / num_tokens - ENTROPY_COEFFICIENT * (entropy * mask).sum() / num_tokens
@@ -333,45 +333,25 @@ def interleaved_step_ms(steps, repeats=TRAIN_REPEATS):
 
 def thd_step(model, input_ids, seqlens, mtp_train):
     out = forward.forward_logprobs(model, input_ids, seqlens, with_entropy=True, mtp_train=mtp_train)
-    policy_loss(out.logprobs, out.entropy, out.loss_mask).backward()
+    surrogate_loss(out.logprobs, out.entropy, out.loss_mask).backward()
     return out
 
 
 def bshd_step(model, input_ids, seqlens):
     """Right-padded [B, S] batch through megatron's local attention (causal); returns
     (logprobs, entropy) of the real tokens, concatenated like the packed input."""
-    lengths = seqlens.tolist()
-    max_length = max(lengths)
-    padded = torch.zeros(len(lengths), max_length, dtype=torch.long)
-    real = torch.zeros(len(lengths), max_length, dtype=torch.bool)
-    mask = torch.zeros(len(lengths), max_length)
-    for row, sequence in enumerate(torch.split(input_ids, lengths)):
-        padded[row, :len(sequence)] = sequence
-        real[row, :len(sequence)] = True
-        mask[row, :len(sequence) - 1] = 1.0
-    positions = torch.arange(max_length).expand(len(lengths), max_length)
+    padded, positions, real, mask = pad_batch(input_ids, seqlens)
     log_probs = torch.log_softmax(model(padded, positions, None).float(), dim=-1)
-    logprobs = torch.cat([log_probs[:, :-1].gather(-1, padded[:, 1:, None])[..., 0],
-                          torch.zeros(len(lengths), 1)], dim=1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    policy_loss(logprobs, entropy, mask).backward()
+    logprobs, entropy = padded_logprobs(log_probs, padded, mask)
+    surrogate_loss(logprobs, entropy, mask).backward()
     return logprobs[real].detach(), entropy[real].detach()
 
 
 def bshd_mtp_step(model, input_ids, seqlens):
     """`bshd_step` with MTP training: labels and loss mask go to the model, so megatron adds
     the MTP loss to the graph; log-probs and entropy come from the captured main logits."""
-    lengths = seqlens.tolist()
-    max_length = max(lengths)
-    padded = torch.zeros(len(lengths), max_length, dtype=torch.long)
-    real = torch.zeros(len(lengths), max_length, dtype=torch.bool)
-    mask = torch.zeros(len(lengths), max_length)
-    for row, sequence in enumerate(torch.split(input_ids, lengths)):
-        padded[row, :len(sequence)] = sequence
-        real[row, :len(sequence)] = True
-        mask[row, :len(sequence) - 1] = 1.0
-    labels = torch.cat([padded[:, 1:], torch.zeros(len(lengths), 1, dtype=torch.long)], dim=1)
-    positions = torch.arange(max_length).expand(len(lengths), max_length)
+    padded, positions, real, mask = pad_batch(input_ids, seqlens)
+    labels = torch.cat([padded[:, 1:], torch.zeros(len(padded), 1, dtype=torch.long)], dim=1)
     captured = []
 
     def keep_logits(module, args, output):
@@ -386,9 +366,8 @@ def bshd_mtp_step(model, input_ids, seqlens):
     finally:
         hook.remove()
     log_probs = torch.log_softmax(captured[-1].transpose(0, 1).float(), dim=-1)  # [s, b, v] -> [b, s, v]
-    logprobs = log_probs.gather(-1, labels[..., None])[..., 0] * mask
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    policy_loss(logprobs, entropy, mask).backward()
+    logprobs, entropy = padded_logprobs(log_probs, padded, mask)
+    surrogate_loss(logprobs, entropy, mask).backward()
     return logprobs[real].detach(), entropy[real].detach()
 
 

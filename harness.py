@@ -98,3 +98,30 @@ def requires_cuda(test):
     """pytest marker: skip `test` where no CUDA GPU answers."""
     import pytest
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
+
+
+def pad_batch(input_ids, seqlens):
+    """The padded reference layout of a packed batch, for tests and benchmarks.
+
+    input_ids [T] int64 (sequences concatenated), seqlens [B] -> right-padded ids [B, S]
+    int64, positions [B, S] int64, real [B, S] bool (a token, not padding) and next_mask
+    [B, S] fp32 (1 where the token has a next token in its sequence), S the longest length.
+    """
+    lengths = torch.as_tensor(seqlens).tolist()
+    padded = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    real = torch.zeros(len(lengths), max(lengths), dtype=torch.bool)
+    next_mask = torch.zeros(len(lengths), max(lengths))
+    for row, sequence in enumerate(torch.split(input_ids, lengths)):
+        padded[row, :len(sequence)] = sequence
+        real[row, :len(sequence)] = True
+        next_mask[row, :len(sequence) - 1] = 1.0
+    positions = torch.arange(max(lengths)).expand(len(lengths), max(lengths))
+    return padded, positions, real, next_mask
+
+
+def padded_logprobs(log_probs, padded, next_mask):
+    """log_probs [B, S, V] fp32 (log-softmax of the logits), padded ids [B, S], next_mask
+    [B, S] -> (next-token log-probs [B, S], 0 where there is no next token; entropy [B, S])."""
+    labels = torch.cat([padded[:, 1:], torch.zeros(len(padded), 1, dtype=torch.long)], dim=1)
+    logprobs = log_probs.gather(-1, labels[..., None])[..., 0] * next_mask
+    return logprobs, -(log_probs.exp() * log_probs).sum(-1)

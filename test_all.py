@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import cp_thd
@@ -40,7 +41,8 @@ import mtp_patch
 import spec_config
 import tiny_model
 import weight_sync
-from harness import PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, requires_cuda, run_in_processes, to_host
+from harness import (PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, requires_cuda,
+                     run_in_processes, to_host)
 from mtp_matrix import MTP_BEHAVIOURS, MTP_MATRIX_PATH, MTP_RELATIVE_TOLERANCE, MTP_RELEASES, MTP_UPSTREAM_BROKEN
 from spec_config import SpecDecodeMeter, build_mtp_speculative_config
 
@@ -300,19 +302,11 @@ def _padded_reference_logprobs(checkpoint, full_state):
     model = build_gpt_model(checkpoint, mtp=False, attention="local")
     model.load_state_dict(full_state, strict=False)
     input_ids, seqlens, _, _ = _forward_batch()
-    max_len = int(seqlens.max())
-    padded = torch.zeros(len(seqlens), max_len, dtype=torch.long)
-    for row, sequence in enumerate(torch.split(input_ids, seqlens.tolist())):
-        padded[row, :len(sequence)] = sequence
-    positions = torch.arange(max_len).expand(len(seqlens), max_len)
+    padded, positions, real, next_mask = pad_batch(input_ids, seqlens)
     with torch.no_grad():
         logits = model(padded, positions, None).float() / 0.7
-    log_probs = torch.log_softmax(logits, dim=-1)
-    next_logprobs = log_probs[:, :-1].gather(-1, padded[:, 1:, None])[..., 0]
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    logprob_rows = [torch.cat([next_logprobs[row, :n - 1], torch.zeros(1)]) for row, n in enumerate(seqlens.tolist())]
-    entropy_rows = [entropy[row, :n] for row, n in enumerate(seqlens.tolist())]
-    return torch.cat(logprob_rows), torch.cat(entropy_rows)
+    logprobs, entropy = padded_logprobs(torch.log_softmax(logits, dim=-1), padded, next_mask)
+    return logprobs[real], entropy[real]
 
 
 def _forward_cp1_vs_padded(checkpoint):
