@@ -1141,16 +1141,35 @@ def _broadcast(value):
 # Main
 # ---------------------------------------------------------------------------------------
 
-def main(args):
-    hf_config = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    resume_dir = choose_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))
+def load_inputs(args, hf_config):
+    """Before any process group: (training pool, held-out set, the user's reward or None),
+    each checked; --mtp-rollout and --mtp-train resolved against the model's MTP layers."""
     examples, held_out = split_examples(
         load_examples(args.data, args.prompt_key, args.answer_key) if args.data else None,
         load_examples(args.eval_data, args.prompt_key, args.answer_key) if args.eval_data else None, args.seed)
     reward_function = load_reward_function(args.reward) if args.reward else None
-    args.mtp_rollout = hf_config.get("num_nextn_predict_layers", 0) > 0 if args.mtp_rollout is None \
-        else args.mtp_rollout
-    args.mtp_train = args.mtp_train and hf_config.get("num_nextn_predict_layers", 0) > 0
+    has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
+    args.mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
+    args.mtp_train = args.mtp_train and has_mtp
+    return examples, held_out, reward_function
+
+
+def open_outputs(args, rank, start_step, resume_dir):
+    """(metrics.jsonl's path, the records kept from before start_step, a TensorBoard writer);
+    records and writer on rank 0 only."""
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if rank != 0:
+        return metrics_path, [], None
+    if start_step:
+        print(f"resumed from {resume_dir} (step {start_step})", flush=True)
+    return metrics_path, keep_records(metrics_path, start_step), open_tensorboard(args, start_step)
+
+
+def main(args):
+    hf_config = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    resume_dir = choose_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))
+    examples, held_out, reward_function = load_inputs(args, hf_config)
     use_bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     dtype = torch.bfloat16 if use_bf16 else torch.float32
 
@@ -1175,12 +1194,7 @@ def main(args):
         weight_sync.push_to_vllm(policy.model, llm, weight_version=str(start_step))
     meter = spec_config.SpecDecodeMeter(llm) if args.mtp_rollout else None
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    os.makedirs(args.out, exist_ok=True)
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    records = keep_records(metrics_path, start_step) if rank == 0 else []
-    if start_step and rank == 0:
-        print(f"resumed from {resume_dir} (step {start_step})", flush=True)
-    writer = open_tensorboard(args, start_step) if rank == 0 else None
+    metrics_path, records, writer = open_outputs(args, rank, start_step, resume_dir)
     started = time.time()
 
     for step in range(start_step + 1, args.steps + 1):
