@@ -28,7 +28,9 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import re
+import time
 from collections.abc import Mapping
 
 import torch
@@ -132,7 +134,9 @@ def _warn_once(kind, message):
         logger.warning(message)
 
 
-def _statistics(source, num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position):
+def acceptance_statistics(source, num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position):
+    """The statistics dict `SpecDecodeMeter.read` returns, from counts (ints; accepted_per_position
+    a list of ints, one per draft position)."""
     return {
         "source": source,
         "num_drafts": num_drafts,
@@ -162,7 +166,7 @@ def _from_completion_metrics(completions):
         num_draft_tokens += completion.spec_decode_metrics.num_draft_tokens
         num_accepted += sum(j * count for j, count in enumerate(histogram))
         per_position = _add_elementwise(per_position, [sum(histogram[i + 1:]) for i in range(len(histogram) - 1)])
-    return _statistics("per_request", num_drafts, num_draft_tokens, num_accepted, per_position)
+    return acceptance_statistics("per_request", num_drafts, num_draft_tokens, num_accepted, per_position)
 
 
 def _from_request_metrics(request_stats):
@@ -176,7 +180,7 @@ def _from_request_metrics(request_stats):
         num_draft_tokens += stats.num_draft_tokens
         num_accepted += stats.num_accepted_tokens
         per_position = _add_elementwise(per_position, list(stats.num_accepted_tokens_per_pos))
-    return _statistics("request_metrics", num_drafts, num_draft_tokens, num_accepted, per_position)
+    return acceptance_statistics("request_metrics", num_drafts, num_draft_tokens, num_accepted, per_position)
 
 
 def _engine_counters(llm):
@@ -207,7 +211,7 @@ def _engine_counters(llm):
 
 def _from_counter_difference(now, before):
     negated_before = [-count for count in before["accepted_per_position"]]
-    return _statistics("engine_counters", now["num_drafts"] - before["num_drafts"],
+    return acceptance_statistics("engine_counters", now["num_drafts"] - before["num_drafts"],
                        now["num_draft_tokens"] - before["num_draft_tokens"],
                        now["num_accepted_tokens"] - before["num_accepted_tokens"],
                        _add_elementwise(now["accepted_per_position"], negated_before))
@@ -296,3 +300,155 @@ def fix_cpu_draft_sampling():
         return False
     rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
     return True
+
+
+# ---------------------------------------------------------------------------------------
+# How many tokens to draft: chosen from what this engine measures
+# ---------------------------------------------------------------------------------------
+# Drafting pays when the target is deep next to its draft and the batch is small; at high
+# concurrency verifying drafts costs as much as it saves, and a draft the policy has moved
+# away from only costs. So the number of draft tokens k (0 = no drafting) is measured, not
+# assumed. Rollout speed with k drafts, in tokens per second:
+#
+#     B * (1 + A_1 + ... + A_k) / c_k
+#
+# for B concurrent sequences, A_i = P(the first i drafts of a verify step are accepted)
+# and c_k the seconds of one engine step (verify k drafts, draft k more, emit what was
+# accepted). c_k depends on the model's shapes, B, the machine and, through the tokens
+# each step emits, on the acceptance itself: it is timed on the policy as it is, at the
+# rollout's concurrency, every few steps. A_i moves with the policy and its MTP head
+# every step: it is read from the engine's own acceptance counts after each drafting
+# rollout, so a draft the policy leaves behind stops being used at the next rollout, not
+# at the next timing. The choice depends on timings, so two runs of one seed can choose
+# differently; checkpoints carry the tuner, so a resumed run continues with its state.
+
+# A drafting engine's k is switched between rollouts through vLLM's dynamic speculative
+# decoding schedule (batch size -> k, `num_speculative_tokens_per_batch_size`, vLLM >= 0.32):
+# built with the deepest k, one range covering every batch size, rewritten per rollout.
+DYNAMIC_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+
+
+def dynamic_speculative_config(config):
+    """`config` (a `build_mtp_speculative_config` result) with a batch-size schedule that
+    lets `set_draft_tokens` choose any k up to its num_speculative_tokens at run time."""
+    return {**config, DYNAMIC_SCHEDULE_KEY: [(1, 1, config["num_speculative_tokens"])]}
+
+
+def _scheduler(llm):
+    engine_core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if engine_core is None:
+        raise ValueError("the vLLM engine core runs in another process; set_draft_tokens needs it in this one: "
+                         "distributed_executor_backend='external_launcher' or VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return engine_core.scheduler
+
+
+def set_draft_tokens(llm, num_tokens):
+    """Draft `num_tokens` tokens per verify step (0: none) in every rollout from now on, on an
+    engine built with `dynamic_speculative_config`; at most its num_speculative_tokens.
+    With num_tokens 0 the draft still reads each step (one draft-layer forward) to keep its
+    cache in step: an engine without a speculative_config decodes faster."""
+    scheduler = _scheduler(llm)
+    if scheduler.dynamic_sd_lookup is None:
+        raise ValueError(f"this engine has no {DYNAMIC_SCHEDULE_KEY}; build its speculative_config with "
+                         "dynamic_speculative_config")
+    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= scheduler.num_spec_tokens:
+        raise ValueError(f"num_tokens={num_tokens!r}: expected an int from 0 to the engine's "
+                         f"num_speculative_tokens {scheduler.num_spec_tokens}")
+    scheduler.dynamic_sd_lookup[1:] = [num_tokens] * (len(scheduler.dynamic_sd_lookup) - 1)
+
+
+def acceptance_by_depth(statistics):
+    """[A_1, ..., A_k] from `SpecDecodeMeter.read`'s statistics: A_i = P(the first i drafts
+    of a verify step are accepted) (acceptance stops at the first rejection, so draft i
+    accepted means all before it were), k the drafts per verify step (vLLM reports every
+    position the engine could draft); [] without verify steps."""
+    if not statistics or not statistics["num_drafts"]:
+        return []
+    depth = statistics["num_draft_tokens"] // statistics["num_drafts"]
+    return [count / statistics["num_drafts"] for count in statistics["accepted_per_position"][:depth]]
+
+
+def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True):
+    """Seconds per engine step of `generate(prompts, params)`, [c_0, ..., c_max]: k = 0 on
+    `plain` (an engine without a speculative_config), k = 1..max on `drafting` (built with
+    `dynamic_speculative_config`, left at k = max); and the acceptance statistics of the
+    rollout at k = max (`meter` reads `drafting`).
+
+    `params` must sample a fixed number of tokens (max_tokens with ignore_eos). An engine
+    step emits one token per sequence and verify step, so a sequence takes 1 + its verify
+    steps. A step's cost grows with the drafts it accepts (each emitted token is processed):
+    time on the weights the rollouts will use. `warm_up` runs each engine once untimed
+    first (a first rollout pays one-off costs).
+    """
+    seconds, statistics = [], None
+    for draft_tokens in range(_scheduler(drafting).num_spec_tokens + 1):
+        engine = drafting if draft_tokens else plain
+        if draft_tokens:
+            set_draft_tokens(engine, draft_tokens)
+        for _ in range(2 if warm_up and draft_tokens <= 1 else 1):
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params, use_tqdm=False) if prompts else []
+            elapsed = time.perf_counter() - start
+            statistics = meter.read(outputs) if draft_tokens else None
+        sequences = max(1, sum(len(output.outputs) for output in outputs))
+        steps = 1 + statistics["num_drafts"] / sequences if statistics else params.max_tokens
+        seconds.append(elapsed / steps)
+    return seconds, statistics
+
+
+class DraftTuner:
+    """Chooses the number of draft tokens k in 0..max_tokens that makes rollouts fastest.
+
+        tuner = DraftTuner(max_tokens=3)
+        tuner.set_step_seconds([c_0, c_1, c_2, c_3])   # seconds per engine step, timed
+        tuner.observe(meter.read(outputs))             # after each drafting rollout
+        k = tuner.choose()
+
+    `margin` (a fraction): drafting must be predicted at least this much faster than not
+    drafting to be chosen, so timing noise does not buy a slower rollout. Its state is
+    plain data (`state_dict`, `load_state_dict`) for checkpoints.
+    """
+
+    def __init__(self, max_tokens, margin=0.03):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
+        self.max_tokens, self.margin = max_tokens, margin
+        self.step_seconds = None        # [c_0, ..., c_max]
+        self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
+
+    def set_step_seconds(self, step_seconds):
+        if len(step_seconds) != self.max_tokens + 1 or not all(s > 0 and math.isfinite(s) for s in step_seconds):
+            raise ValueError(f"step_seconds={step_seconds!r}: expected {self.max_tokens + 1} positive finite "
+                             "seconds, one per k = 0..max_tokens")
+        self.step_seconds = list(step_seconds)
+
+    def observe(self, statistics):
+        """Take the acceptance of a rollout or check that drafted k tokens: A_1..A_k are
+        replaced, deeper ones (from an earlier, deeper measurement) are capped at A_k."""
+        measured = acceptance_by_depth(statistics)[:self.max_tokens]
+        if not measured:
+            return
+        self.acceptance[:len(measured)] = measured
+        for depth in range(len(measured), self.max_tokens):
+            self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
+
+    def predicted_speeds(self):
+        """[tokens per second relative to k = 0, for k = 0..max_tokens]."""
+        if self.step_seconds is None:
+            raise RuntimeError("DraftTuner.choose before set_step_seconds: time the engine steps first")
+        return [(1 + sum(self.acceptance[:k])) * self.step_seconds[0] / self.step_seconds[k]
+                for k in range(self.max_tokens + 1)]
+
+    def choose(self):
+        speeds = self.predicted_speeds()
+        best = max(range(len(speeds)), key=speeds.__getitem__)
+        return best if speeds[best] >= 1 + self.margin else 0
+
+    def state_dict(self):
+        return {"max_tokens": self.max_tokens, "margin": self.margin, "step_seconds": self.step_seconds,
+                "acceptance": list(self.acceptance)}
+
+    def load_state_dict(self, state):
+        if state["max_tokens"] != self.max_tokens:
+            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']}, this tuner has {self.max_tokens}")
+        self.margin, self.step_seconds, self.acceptance = state["margin"], state["step_seconds"], state["acceptance"]

@@ -1124,6 +1124,83 @@ def test_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(
     assert unfixed["accepted"] < fixed["accepted"]
 
 
+DYNAMIC_DRAFT_TOKENS = 3
+
+
+def _draft_controls(checkpoint):
+    """One engine built for --num-speculative-tokens auto: its k switched per call; and the
+    stale-draft check after a full push, after a push without the draft, and on bad k."""
+    from vllm import LLM, SamplingParams
+
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(tensor_parallel=1)
+    mtp_patch.patch_megatron_mtp()
+    model = build_gpt_model(checkpoint)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    _draft_friendly(model)
+    spec_config.fix_cpu_draft_sampling()
+    options = dict(WEIGHT_SYNC_ENGINE_OPTIONS, speculative_config=spec_config.dynamic_speculative_config(
+        spec_config.build_mtp_speculative_config("mtp", DYNAMIC_DRAFT_TOKENS)))
+    engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+                 per_request_spec_decode_metrics="summary", **options)
+    meter = spec_config.SpecDecodeMeter(engine)
+    result = {"checked_before_push": None}
+    try:
+        weight_sync.check_draft(model, engine)
+    except weight_sync.StaleDraftError as error:
+        result["checked_before_push"] = str(error)
+    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["tensors_checked"] = weight_sync.check_draft(model, engine)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    result["by_k"] = {}
+    for draft_tokens in range(DYNAMIC_DRAFT_TOKENS + 1):
+        spec_config.set_draft_tokens(engine, draft_tokens)
+        statistics = meter.read(engine.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False))
+        result["by_k"][draft_tokens] = (statistics["num_drafts"], statistics["num_draft_tokens"],
+                                        spec_config.acceptance_by_depth(statistics))
+    result["bad_k"] = []
+    for bad in (DYNAMIC_DRAFT_TOKENS + 1, -1, 1.0):
+        with pytest.raises(ValueError) as error:
+            spec_config.set_draft_tokens(engine, bad)
+        result["bad_k"].append(str(error.value))
+    # A training step moves the MTP layers; this push leaves the draft behind.
+    with torch.no_grad():
+        model.mtp.layers[0].eh_proj.weight.mul_(1.01)
+        model.mtp.layers[0].transformer_layer.mlp.linear_fc2.weight.add_(1e-3)
+    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES, draft=False)
+    with pytest.raises(weight_sync.StaleDraftError) as error:
+        weight_sync.check_draft(model, engine)
+    result["stale"] = str(error.value)
+    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["tensors_checked_again"] = weight_sync.check_draft(model, engine)
+    del engine
+    return result
+
+
+def test_draft_tokens_switch_per_rollout_and_a_stale_draft_is_named(tiny_checkpoint):
+    result, = run_in_processes(_draft_controls, args=(tiny_checkpoint,), env=VLLM_ENV)
+    print(result["by_k"], result["stale"])
+    # k = 0 drafts nothing; k >= 1 drafts exactly k per verify step, accepted at every depth
+    # (the draft is nearly always right), one acceptance per depth.
+    assert result["by_k"][0][0] == 0
+    for draft_tokens in range(1, DYNAMIC_DRAFT_TOKENS + 1):
+        drafts, draft_tokens_total, by_depth = result["by_k"][draft_tokens]
+        assert drafts > 0 and draft_tokens_total == draft_tokens * drafts
+        assert len(by_depth) == draft_tokens and min(by_depth) > 0.8
+        assert by_depth == sorted(by_depth, reverse=True)
+    assert all("expected an int from 0 to the engine's num_speculative_tokens 3" in m for m in result["bad_k"])
+    # The engine loaded the checkpoint Megatron started from, but Megatron's weights moved
+    # (draft-friendly): stale before the push, exact after it. Every drafter tensor is
+    # compared: 13 of the MTP layer, the shared embedding and output layer.
+    assert result["checked_before_push"] is not None and "model.embed_tokens.weight" in result["checked_before_push"]
+    assert result["tensors_checked"] == result["tensors_checked_again"] == 13
+    # A push without the draft: the two tensors that moved are named, the others are not.
+    assert "model.mtp_layers.0.input_proj.weight (vLLM model.mtp_layers.2.input_proj.weight)" in result["stale"]
+    assert "model.mtp_layers.0.mlp.down_proj.weight" in result["stale"]
+    assert "q_proj" not in result["stale"] and "model.embed_tokens.weight" not in result["stale"]
+
+
 # ---------------------------------------------------------------------------------------
 # cp_attention and forward.py: packed THD under TP and CP equals the unsharded forward
 # ---------------------------------------------------------------------------------------
@@ -1511,8 +1588,10 @@ def _train(out, *flags):
     return records, stdout
 
 
-# A short run for the end-to-end and fault-tolerance tests: 5 steps, checkpoints at 2, 4, 5.
-SHORT_RUN = ("--steps", "5", "--save-every", "2", "--prompts-per-step", "4", "--eval-every", "5")
+# A short run for the end-to-end and fault-tolerance tests: 5 steps, checkpoints at 2, 4, 5,
+# drafting one token in every rollout (auto would not draft for this 2-layer model).
+SHORT_RUN = ("--steps", "5", "--save-every", "2", "--prompts-per-step", "4", "--eval-every", "5",
+             "--num-speculative-tokens", "1")
 
 
 @pytest.fixture(scope="module")
@@ -1584,6 +1663,25 @@ def test_resume_skips_a_truncated_checkpoint_and_refuses_another_layout(uninterr
     kept = train_grpo.keep_records(str(out / "metrics.jsonl"), 4)
     assert [r["step"] for r in kept] == [1, 2, 3, 4]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_stale_draft_stops_the_run_naming_the_tensor(tmp_path):
+    """Step 2's weight push skips the MTP draft (train_grpo's test hook): the check after
+    that push stops the run, naming the draft's tensors; with the check off the same run
+    finishes, drafting with step 1's head for the rest of the run."""
+    flags = ("--steps", "3", "--prompts-per-step", "2", "--eval-every", "3", "--save-every", "3",
+             "--num-speculative-tokens", "1")
+    env = dict(os.environ, **{train_grpo.STALE_DRAFT_AT_ENV: "2"})
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+                              "--out", str(tmp_path / "checked"), *flags], cwd=REPO_DIR, capture_output=True,
+                             text=True, env=env, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert process.returncode != 0
+    assert "StaleDraftError: vLLM's MTP draft does not hold Megatron's current weights" in process.stderr
+    assert "model.mtp_layers.0.input_proj.weight (vLLM model.mtp_layers.2.input_proj.weight)" in process.stderr
+    with open(tmp_path / "checked" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1]  # stopped in step 2's sync
+    records, _, _ = _torchrun(str(tmp_path / "unchecked"), *flags, "--check-draft-every", "0", env=env)
+    assert [r["step"] for r in records] == [1, 2, 3]
 
 
 def test_two_torchrun_agents_train_like_one_node_of_two(uninterrupted_run, tmp_path):
@@ -1675,18 +1773,81 @@ def test_loss_aggregation_and_advantage_modes_by_hand():
 
 def test_held_out_prompts_are_never_sampled_for_training():
     args = train_grpo.parse_args([])
-    training, held_out = train_grpo.split_examples(None, None, seed=0)
-    sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
-    assert sampled == {f"repeat:{letter}" for letter in train_grpo.TASK_ALPHABET}
-    assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(train_grpo.EVAL_ALPHABET)
+    for task, spec in train_grpo.TASKS.items():
+        training, held_out = train_grpo.split_examples(None, None, 0, task)
+        sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
+        assert sampled == {f"{task}:{symbol}" for symbol in spec["train"]}
+        assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(spec["held_out"])
     examples = [{"prompt": f"q{i}", "answer": str(i)} for i in range(50)]
-    training, held_out = train_grpo.split_examples(examples, None, seed=0)
+    training, held_out = train_grpo.split_examples(examples, None, 0, "repeat")
     assert len(held_out) == 5 and len(training) == 45
-    assert train_grpo.split_examples(examples, None, seed=0) == (training, held_out)  # fixed by the seed
+    assert train_grpo.split_examples(examples, None, 0, "repeat") == (training, held_out)  # fixed by the seed
     sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
     assert not sampled & {e["prompt"] for e in held_out} and len(sampled) == 45
     given = [{"prompt": "other", "answer": "1"}]
-    assert train_grpo.split_examples(examples, given, seed=0) == (examples, given)
+    assert train_grpo.split_examples(examples, given, 0, "repeat") == (examples, given)
+
+
+def test_count_task_answers_and_credits_each_digit_that_follows_the_one_before(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as train_grpo loads it
+    assert train_grpo.task_examples("count", "7", 1) == [{"prompt": "count:7", "answer": "89012345678901234567890123456789"}]
+    assert train_grpo.task_examples("count", "7", 2)[0]["answer"][:6] == "913579"
+    args = train_grpo.parse_args(["--task", "count"])
+    assert (args.max_new_tokens, args.lr, train_grpo.builtin_model(args)[0]) == (32, 1e-3, "deep")
+    assert train_grpo.builtin_model(train_grpo.parse_args([]))[0] == "tiny"
+
+    def credits(prompt, response, step=1):
+        return train_grpo.count_credits(tokenizer.encode(prompt)[-1], tokenizer.encode(response),
+                                        train_grpo.digit_successors(tokenizer, step))
+
+    assert credits("count:7", "8901") == [1.0, 1.0, 1.0, 1.0]
+    # A wrong digit loses its own credit only: the next one is judged against it.
+    assert credits("count:7", "8501") == [1.0, 0.0, 0.0, 1.0]
+    assert credits("count:7", "8x90") == [1.0, 0.0, 0.0, 1.0]
+    assert credits("count:9", "0") == [1.0] and credits("count:7", "9135", step=2) == [1.0] * 4
+    assert credits("count:7", "8901", step=2) == [0.0] * 4
+
+    class MergesDigits:  # a tokenizer that does not split digits (pure logic: the check)
+        name_or_path = "merging"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2]
+
+    with pytest.raises(SystemExit, match="needs each digit to be one token; merging's tokenizer encodes"):
+        train_grpo.digit_successors(MergesDigits(), 1)
+
+
+def test_draft_tuner_chooses_the_fastest_k_and_drops_a_stale_draft_by_hand():
+    def statistics(by_depth, drafts=100):
+        return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
+                                                 [round(a * drafts) for a in by_depth])
+
+    tuner = spec_config.DraftTuner(max_tokens=3)
+    with pytest.raises(RuntimeError, match="before set_step_seconds"):
+        tuner.choose()
+    with pytest.raises(ValueError, match="expected 4 positive finite seconds"):
+        tuner.set_step_seconds([1.0, 1.2, math.nan, 1.6])
+    tuner.set_step_seconds([1.0, 1.2, 1.4, 1.6])
+    assert tuner.choose() == 0  # nothing accepted yet: every draft only costs
+    tuner.observe(statistics([0.9, 0.8, 0.7]))
+    # tokens per step / seconds per step, relative to k = 0: 1.9/1.2, 2.7/1.4, 3.4/1.6
+    assert tuner.predicted_speeds() == pytest.approx([1.0, 1.9 / 1.2, 2.7 / 1.4, 3.4 / 1.6])
+    assert tuner.choose() == 3
+    # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, drafting stops.
+    tuner.observe(statistics([0.1]))
+    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0
+    # Within the margin drafting is not worth it.
+    tuner.set_step_seconds([1.0, 1.95, 3.0, 4.0])
+    tuner.observe(statistics([1.0, 1.0, 1.0]))
+    assert tuner.predicted_speeds()[1] == pytest.approx(2 / 1.95) and tuner.choose() == 0
+    restored = spec_config.DraftTuner(max_tokens=3)
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose()
+    with pytest.raises(ValueError, match="for max_tokens 3, this tuner has 2"):
+        spec_config.DraftTuner(max_tokens=2).load_state_dict(tuner.state_dict())
+    assert spec_config.acceptance_by_depth(None) == [] and spec_config.acceptance_by_depth(statistics([0.5, 0.25])) \
+        == [0.5, 0.25]
 
 
 REWARD_FILE = """
@@ -1747,6 +1908,17 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
         # letter_a gives a fraction in [0, 1]; per-character credit would give multiples of 1/3.
         assert 0 <= record["reward_mean"] <= 1 and 0 <= record["eval_reward_mean"] <= 1
         assert 0 <= record["eval_accuracy"] <= 1 and record["eval_response_length"] == 3
+    # --num-speculative-tokens auto (the default): step 1 timed every k and measured the
+    # random draft's acceptance at every depth (near 0), so no rollout drafted.
+    first, second = records
+    assert first["tune_s"] > 0 and len(first["check_acceptance_by_depth"]) == 3
+    assert max(first["check_acceptance_by_depth"]) < 0.2 and "check_acceptance_by_depth" not in second
+    for record in records:
+        assert record["draft_tokens"] == 0 and record["acceptance_rate"] is None
+        assert record["predicted_speedup"] == 1.0
+    tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
+                       weights_only=True)["draft_tuner"]
+    assert tuner["max_tokens"] == 3 and len(tuner["step_seconds"]) == 4 and min(tuner["step_seconds"]) > 0
 
 
 # One flag per kind of rejection, and what its message must say.
@@ -1805,6 +1977,17 @@ def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
         f"--mtp-rollout: {no_mtp} has no MTP layers (num_nextn_predict_layers is 0); pass --no-mtp-rollout"]
     assert train_grpo.flag_problems(train_grpo.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
         f"--tp 4: expected a divisor of {no_mtp}'s 2 key/value heads"]
+    with pytest.raises(SystemExit, match="argument --num-speculative-tokens: '0': expected auto or an int >= 1"):
+        train_grpo.parse_args(["--num-speculative-tokens", "0"])
+    assert train_grpo.parse_args(["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
+    assert train_grpo.flag_problems(train_grpo.parse_args(
+        ["--task", "count", "--count-step", "10", "--tune-every", "0", "--check-draft-every", "-1"]), 2) == [
+        "--count-step 10: expected a number <= 9", "--tune-every 0: expected a number >= 1",
+        "--check-draft-every -1: expected a number >= 0"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
+                                                           no_mtp]), 2) == [
+        f"--builtin-model deep: only used without --model (this run has --model {no_mtp!r})",
+        "--count-step 2: only read with --task count"]
     missing = str(tmp_path / "missing")
     assert train_grpo.flag_problems(train_grpo.parse_args(["--model", missing, "--resume", missing]), 2) == [
         f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",

