@@ -13,7 +13,10 @@ wait on whichever core a neighbour holds, and the table would measure the neighb
 """
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,11 +28,12 @@ import cp_thd
 import cpu_backend
 import forward
 import mtp_patch
+import spec_config
 import tiny_model
 import train_grpo
 import weight_sync
 from megatron_model import build_gpt_model
-from harness import VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
+from harness import REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
 
 COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
 TIMING_REPEATS = 5
@@ -558,12 +562,227 @@ def row_optimizer_step():
     }
 
 
+# ---------------------------------------------------------------------------------------
+# spec_rollout: MTP drafting vs none, on a checkpoint train_grpo.py trained
+# ---------------------------------------------------------------------------------------
+
+# `torchrun --nproc_per_node 2 train_grpo.py --task count --steps 80` writes this (cached:
+# trained once when missing); its policy counts and its MTP head drafts it.
+SPEC_TRAIN_FLAGS = ("--task", "count", "--steps", "80")
+SPEC_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-count")
+SPEC_CONCURRENCIES = (1, 8, 64, 256)
+SPEC_MAX_DRAFT_TOKENS = 3
+SPEC_NEW_TOKENS = 64
+SPEC_TEMPERATURE = 1.0
+SPEC_REPEATS = 3
+# Room for 256 sequences of 70 tokens in each of the five engines' KV caches.
+SPEC_KV_CACHE_BYTES = 2**28
+SPEC_HEATMAP = os.path.join(REPO_DIR, "spec_rollout_cpu.png")
+SPEC_PROCESS_TIMEOUT_SECONDS = 3600
+
+
+def spec_checkpoint(checkpoint):
+    """`checkpoint`, or the cached final policy of SPEC_TRAIN_FLAGS' run (trained when missing)."""
+    if checkpoint is not None:
+        return checkpoint
+    final = os.path.join(SPEC_RUN_DIR, "final")
+    if not os.path.exists(os.path.join(final, "model.safetensors")):
+        print(f"spec_rollout: training {final} (train_grpo.py {' '.join(SPEC_TRAIN_FLAGS)}, a few minutes)",
+              file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+                        "--out", SPEC_RUN_DIR, "--resume", "never", *SPEC_TRAIN_FLAGS], cwd=REPO_DIR, check=True)
+    return final
+
+
+def measure_spec_rollout(checkpoint, threads):
+    """Runs in a spawned process: per concurrency B, tokens/s of the same rollout (the
+    count task's training prompts, temperature 1, SPEC_NEW_TOKENS tokens, no EOS) with
+    k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (a plain and a
+    dynamic drafting engine, k chosen by spec_config.DraftTuner from train_grpo's tune
+    timing), each the median of SPEC_REPEATS interleaved runs; the k = 3 engine's
+    acceptance per depth; auto's choice, prediction and tuning seconds."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    torch.set_num_threads(threads)
+    spec_config.fix_cpu_draft_sampling()
+    options = dict(model=checkpoint, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False,
+                   max_model_len=1024, kv_cache_memory_bytes=SPEC_KV_CACHE_BYTES)
+
+    def drafting(config):
+        return LLM(**options, speculative_config=config, per_request_spec_decode_metrics="summary")
+
+    fixed = {0: LLM(**options)}
+    for draft_tokens in range(1, SPEC_MAX_DRAFT_TOKENS + 1):
+        fixed[draft_tokens] = drafting(spec_config.build_mtp_speculative_config("mtp", draft_tokens))
+    dynamic = drafting(spec_config.dynamic_speculative_config(
+        spec_config.build_mtp_speculative_config("mtp", SPEC_MAX_DRAFT_TOKENS)))
+    meters = {k: spec_config.SpecDecodeMeter(engine) for k, engine in fixed.items() if k}
+    dynamic_meter = spec_config.SpecDecodeMeter(dynamic)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=SPEC_NEW_TOKENS, ignore_eos=True)
+    tune_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=train_grpo.TUNE_TOKENS, ignore_eos=True)
+    training_prompts = train_grpo.TASKS["count"]["train"]
+    results = {}
+    for concurrency in SPEC_CONCURRENCIES:
+        prompts = [{"prompt_token_ids": tokenizer.encode(f"count:{training_prompts[i % len(training_prompts)]}")}
+                   for i in range(concurrency)]
+        tuner = spec_config.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
+        start = time.perf_counter()
+        tuner.calibrate(*spec_config.time_draft_steps(fixed[0], dynamic, dynamic_meter, prompts, tune_params))
+        auto = tuner.choose()
+        tune_seconds = time.perf_counter() - start
+        if auto:
+            spec_config.set_draft_tokens(dynamic, auto)
+        runs = dict(fixed, auto=dynamic if auto else fixed[0])
+        speeds = {name: [] for name in runs}
+        for repeat in range(SPEC_REPEATS + 1):  # the first round warms up
+            for name, engine in runs.items():
+                start = time.perf_counter()
+                outputs = engine.generate(prompts, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                counts = meters[name].read(outputs) if name in meters else None
+                if repeat:
+                    speeds[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+                if repeat and name == SPEC_MAX_DRAFT_TOKENS:
+                    by_depth = spec_config.acceptance_by_depth(counts)
+        results[concurrency] = {"tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
+                                "acceptance_by_depth": by_depth, "auto": auto,
+                                "auto_predicted": tuner.predicted_speeds()[auto], "tune_s": tune_seconds}
+    return results
+
+
+def plot_spec_heatmap(results, path):
+    """Tokens/s relative to no drafting: a row per k (and auto), a column per concurrency."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(range(SPEC_MAX_DRAFT_TOKENS + 1)) + ["auto"]
+    ratios = [[results[b]["tokens_per_s"][name] / results[b]["tokens_per_s"][0] for b in SPEC_CONCURRENCIES]
+              for name in names]
+    figure, axis = plt.subplots(figsize=(6, 3.6))
+    image = axis.imshow(ratios, cmap="RdYlGn", vmin=0.5, vmax=2.5, aspect="auto")
+    for row, values in enumerate(ratios):
+        for column, value in enumerate(values):
+            label = f"{value:.2f}x" + (f"\nk={results[SPEC_CONCURRENCIES[column]]['auto']}" if names[row] == "auto" else "")
+            axis.text(column, row, label, ha="center", va="center", fontsize=8)
+    axis.set_xticks(range(len(SPEC_CONCURRENCIES)), [str(b) for b in SPEC_CONCURRENCIES])
+    axis.set_yticks(range(len(names)), [f"k={name}" if name != "auto" else "auto" for name in names])
+    axis.set_xlabel("concurrent sequences")
+    axis.set_title("rollout tokens/s vs no drafting (MTP draft, 16-layer tiny MiMo, CPU)", fontsize=9)
+    figure.colorbar(image)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def row_spec_rollout(checkpoint=None):
+    checkpoint = spec_checkpoint(checkpoint)
+    results = run_in_processes(measure_spec_rollout, args=(checkpoint, torch.get_num_threads()), env=VLLM_ENV,
+                               timeout=SPEC_PROCESS_TIMEOUT_SECONDS)[0]
+    plot_spec_heatmap(results, SPEC_HEATMAP)
+    rows = []
+    for concurrency, result in results.items():
+        speeds = result["tokens_per_s"]
+        best = max(range(1, SPEC_MAX_DRAFT_TOKENS + 1), key=lambda k: speeds[k])
+        best_fixed = max(range(SPEC_MAX_DRAFT_TOKENS + 1), key=lambda k: speeds[k])
+        rows.append({
+            "row": f"spec_rollout {concurrency} seqs", "ours_ms": None, "baseline_ms": None,
+            "speedup": speeds[best] / speeds[0],
+            "notes": ("tokens/s k=0..3: " + " / ".join(f"{speeds[k]:.0f}" for k in range(SPEC_MAX_DRAFT_TOKENS + 1))
+                      + f"; best k={best} {speeds[best] / speeds[0]:.2f}x no drafting; auto chose k={result['auto']} "
+                      f"(predicted {result['auto_predicted']:.2f}x, tuned in {result['tune_s']:.1f} s): "
+                      f"{speeds['auto']:.0f} tok/s, {speeds['auto'] / speeds[best_fixed]:.2f}x the best fixed k, "
+                      f"{speeds['auto'] / speeds[0]:.2f}x no drafting; acceptance by depth (k=3) "
+                      + "/".join(f"{a:.2f}" for a in result["acceptance_by_depth"]))})
+    rows.append({"row": "spec_rollout heat map", "ours_ms": None, "baseline_ms": None, "speedup": None,
+                 "notes": f"{SPEC_HEATMAP} (checkpoint {checkpoint})"})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# draft_training: the MTP head trained online vs frozen vs no drafting, end to end
+# ---------------------------------------------------------------------------------------
+
+# The initial policy counts in twos, half learnt (45 steps: entropy 1.9 nats per token), its
+# MTP head trained alongside: a head that drafts the initial policy as well as its entropy
+# allows. RL then teaches counting in ones, a move away from that head like the one an RL
+# run makes from its SFT model (from a fully learnt two-step policy, entropy 0.1, RL did
+# not find the one-step rule in 100 steps). The three runs start from the same checkpoint
+# and seed, at a concurrency where drafting pays (--prompts-per-step 8: 64 per engine).
+DRAFT_STAGE1_FLAGS = ("--task", "count", "--count-step", "2", "--steps", "45")
+DRAFT_STAGE2_FLAGS = ("--task", "count", "--steps", "80", "--prompts-per-step", "8", "--num-speculative-tokens", "3")
+DRAFT_VARIANTS = {"online": (), "frozen": ("--no-mtp-train",), "none": ("--no-mtp-rollout",)}
+DRAFT_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-draft-training")
+DRAFT_LAST_FRACTION = 0.2
+DRAFT_REWARD_TARGET = 0.9
+DRAFT_PLOT = os.path.join(REPO_DIR, "draft_training_cpu.png")
+
+
+def train_grpo_run(out, flags):
+    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
+    returns its metrics.jsonl records."""
+    if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
+        print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+                        "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def plot_draft_training(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for name, records in runs.items():
+        steps = [r["step"] for r in records]
+        axes[0].plot(steps, [r["reward_mean"] for r in records], label=name)
+        axes[1].plot(steps, [r["acceptance_rate"] for r in records], label=name)
+        axes[2].plot(steps, [r["rollout_tokens_per_s"] for r in records], label=name)
+    for axis, label in zip(axes, ("mean reward", "draft acceptance (3 draft tokens)", "rollout tokens/s")):
+        axis.set_xlabel("step")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle("count in ones, from a policy that counts in twos: MTP head trained online / frozen / no drafting",
+                    fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def row_draft_training():
+    stage1 = train_grpo_run(os.path.join(DRAFT_RUN_DIR, "stage1"), DRAFT_STAGE1_FLAGS)
+    initial = os.path.join(DRAFT_RUN_DIR, "stage1", "final")
+    runs = {name: train_grpo_run(os.path.join(DRAFT_RUN_DIR, name), ("--model", initial, *DRAFT_STAGE2_FLAGS, *extra))
+            for name, extra in DRAFT_VARIANTS.items()}
+    plot_draft_training(runs, DRAFT_PLOT)
+    rows = []
+    for name, records in runs.items():
+        last = records[-max(1, round(DRAFT_LAST_FRACTION * len(records))):]
+        accepted = [r["acceptance_rate"] for r in last if r["acceptance_rate"] is not None]
+        reached = next((r["step"] for r in records if r["reward_mean"] >= DRAFT_REWARD_TARGET), None)
+        rows.append({
+            "row": f"draft_training {name}", "ours_ms": 1000 * statistics.mean(r["rollout_s"] for r in records),
+            "baseline_ms": None, "speedup": None,
+            "notes": (f"rollout {statistics.mean(r['rollout_tokens_per_s'] for r in records):.0f} tok/s mean over "
+                      f"{len(records)} steps; acceptance first step "
+                      + (f"{records[0]['acceptance_rate']:.3f}" if records[0]["acceptance_rate"] is not None else "-")
+                      + f", last {len(last)} steps " + (f"{statistics.mean(accepted):.3f}" if accepted else "-")
+                      + f"; reward {records[-1]['reward_mean']:.3f} at the last step, >= {DRAFT_REWARD_TARGET} from "
+                      f"step {reached}; initial policy (count in twos) reward {stage1[-1]['reward_mean']:.3f}, "
+                      f"acceptance {stage1[-1]['acceptance_rate']}")})
+    rows.append({"row": "draft_training plot", "ours_ms": None, "baseline_ms": None, "speedup": None,
+                 "notes": DRAFT_PLOT})
+    return rows
+
+
 ROWS = {
     "pack_thd": row_pack_thd,
     "weight_sync_push": row_weight_sync_push,
     "forward_backward": row_forward_backward,
     "attention_scaling": row_attention_scaling,
     "optimizer_step": row_optimizer_step,
+    "spec_rollout": row_spec_rollout,
+    "draft_training": row_draft_training,
 }
 
 
@@ -587,14 +806,20 @@ def main():
     parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS),
                         help="rows to run (default: all)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads")
+    parser.add_argument("--spec-checkpoint", default=None,
+                        help="spec_rollout: a MiMo checkpoint with a trained MTP head; default: the final policy of "
+                             f"train_grpo.py {' '.join(SPEC_TRAIN_FLAGS)}, trained once into {SPEC_RUN_DIR}")
     args = parser.parse_args()
+    if args.spec_checkpoint is not None and not os.path.isfile(os.path.join(args.spec_checkpoint, "config.json")):
+        parser.error(f"--spec-checkpoint {args.spec_checkpoint!r}: no config.json there; expected a HF checkpoint dir")
+    rows = dict(ROWS, spec_rollout=lambda: row_spec_rollout(args.spec_checkpoint))
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     results = []
     for number, name in enumerate(args.rows, 1):
         print(f"[{number}/{len(args.rows)}] {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        result = ROWS[name]()
+        result = rows[name]()
         results.extend(result if isinstance(result, list) else [result])
         print(f"[{number}/{len(args.rows)}] {name} done in {time.perf_counter() - start:.1f}s", file=sys.stderr,
               flush=True)

@@ -316,10 +316,11 @@ def fix_cpu_draft_sampling():
 # and c_k the seconds of one engine step (verify k drafts, draft k more, emit what was
 # accepted). c_k depends on the model's shapes, B, the machine and, through the tokens
 # each step emits, on the acceptance itself: it is timed on the policy as it is, at the
-# rollout's concurrency, every few steps. A_i moves with the policy and its MTP head
-# every step: it is read from the engine's own acceptance counts after each drafting
-# rollout, so a draft the policy leaves behind stops being used at the next rollout, not
-# at the next timing. The choice depends on timings, so two runs of one seed can choose
+# rollout's concurrency, now and then and whenever the acceptance moved far. A_i moves
+# with the policy and its MTP head every step: it is read from the engine's own
+# acceptance counts after each drafting rollout (a draft the policy leaves behind stops
+# being used at the next rollout, not at the next timing) and, while nothing drafts,
+# from a small check at the deepest k every few steps. The choice depends on timings, so two runs of one seed can choose
 # differently; checkpoints carry the tuner, so a resumed run continues with its state.
 
 # A drafting engine's k is switched between rollouts through vLLM's dynamic speculative
@@ -368,31 +369,40 @@ def acceptance_by_depth(statistics):
     return [count / statistics["num_drafts"] for count in statistics["accepted_per_position"][:depth]]
 
 
-def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True):
+def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True, rounds=2):
     """Seconds per engine step of `generate(prompts, params)`, [c_0, ..., c_max]: k = 0 on
     `plain` (an engine without a speculative_config), k = 1..max on `drafting` (built with
     `dynamic_speculative_config`, left at k = max); and the acceptance statistics of the
-    rollout at k = max (`meter` reads `drafting`).
+    last rollout at k = max (`meter` reads `drafting`).
 
     `params` must sample a fixed number of tokens (max_tokens with ignore_eos). An engine
     step emits one token per sequence and verify step, so a sequence takes 1 + its verify
     steps. A step's cost grows with the drafts it accepts (each emitted token is processed):
-    time on the weights the rollouts will use. `warm_up` runs each engine once untimed
-    first (a first rollout pays one-off costs).
+    time on the weights the rollouts will use. Each k is timed `rounds` times, the rounds
+    taking turns over k, and the fastest counts: a burst of load from elsewhere slows one
+    round, not the choice. `warm_up` runs each engine once untimed first (a first rollout
+    pays one-off costs).
     """
-    seconds, statistics = [], None
-    for draft_tokens in range(_scheduler(drafting).num_spec_tokens + 1):
-        engine = drafting if draft_tokens else plain
-        if draft_tokens:
-            set_draft_tokens(engine, draft_tokens)
-        for _ in range(2 if warm_up and draft_tokens <= 1 else 1):
+    max_tokens = _scheduler(drafting).num_spec_tokens
+    seconds, statistics = [math.inf] * (max_tokens + 1), None
+    for timed_round in range(-1 if warm_up else 0, rounds):
+        for draft_tokens in range(max_tokens + 1):
+            if timed_round < 0 and draft_tokens > 1:
+                break  # warming up: one rollout per engine
+            engine = drafting if draft_tokens else plain
+            if draft_tokens:
+                set_draft_tokens(engine, draft_tokens)
             start = time.perf_counter()
             outputs = engine.generate(prompts, params, use_tqdm=False) if prompts else []
             elapsed = time.perf_counter() - start
-            statistics = meter.read(outputs) if draft_tokens else None
-        sequences = max(1, sum(len(output.outputs) for output in outputs))
-        steps = 1 + statistics["num_drafts"] / sequences if statistics else params.max_tokens
-        seconds.append(elapsed / steps)
+            rollout_statistics = meter.read(outputs) if draft_tokens else None
+            if timed_round < 0:
+                continue
+            sequences = max(1, sum(len(output.outputs) for output in outputs))
+            steps = 1 + rollout_statistics["num_drafts"] / sequences if rollout_statistics else params.max_tokens
+            seconds[draft_tokens] = min(seconds[draft_tokens], elapsed / steps)
+            if draft_tokens == max_tokens:
+                statistics = rollout_statistics
     return seconds, statistics
 
 
@@ -400,27 +410,40 @@ class DraftTuner:
     """Chooses the number of draft tokens k in 0..max_tokens that makes rollouts fastest.
 
         tuner = DraftTuner(max_tokens=3)
-        tuner.set_step_seconds([c_0, c_1, c_2, c_3])   # seconds per engine step, timed
+        tuner.calibrate(*time_draft_steps(plain, drafting, meter, prompts, params))
         tuner.observe(meter.read(outputs))             # after each drafting rollout
         k = tuner.choose()
+        if tuner.timing_is_stale(): ...                # acceptance moved: time again
 
     `margin` (a fraction): drafting must be predicted at least this much faster than not
-    drafting to be chosen, so timing noise does not buy a slower rollout. Its state is
+    drafting to be chosen, so timing noise does not buy a slower rollout. `retime` (a
+    fraction): the timings are stale once the tokens a deepest-k step emits moved this
+    much from when they were taken (a step's cost grows with what it emits). Its state is
     plain data (`state_dict`, `load_state_dict`) for checkpoints.
     """
 
-    def __init__(self, max_tokens, margin=0.03):
+    def __init__(self, max_tokens, margin=0.03, retime=0.25):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
-        self.max_tokens, self.margin = max_tokens, margin
+        self.max_tokens, self.margin, self.retime = max_tokens, margin, retime
         self.step_seconds = None        # [c_0, ..., c_max]
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
+        self.timed_tokens_per_step = None  # 1 + A_1 + ... + A_max when step_seconds were timed
 
-    def set_step_seconds(self, step_seconds):
+    def calibrate(self, step_seconds, statistics):
+        """Take timed seconds per engine step [c_0, ..., c_max] and the acceptance statistics
+        of the timed rollout at the deepest k."""
         if len(step_seconds) != self.max_tokens + 1 or not all(s > 0 and math.isfinite(s) for s in step_seconds):
             raise ValueError(f"step_seconds={step_seconds!r}: expected {self.max_tokens + 1} positive finite "
                              "seconds, one per k = 0..max_tokens")
         self.step_seconds = list(step_seconds)
+        self.observe(statistics)
+        self.timed_tokens_per_step = 1 + sum(self.acceptance)
+
+    def timing_is_stale(self):
+        """Whether the acceptance moved so far since the timing that the step costs did too."""
+        return (self.timed_tokens_per_step is not None
+                and abs(1 + sum(self.acceptance) - self.timed_tokens_per_step) > self.retime * self.timed_tokens_per_step)
 
     def observe(self, statistics):
         """Take the acceptance of a rollout or check that drafted k tokens: A_1..A_k are
@@ -435,7 +458,7 @@ class DraftTuner:
     def predicted_speeds(self):
         """[tokens per second relative to k = 0, for k = 0..max_tokens]."""
         if self.step_seconds is None:
-            raise RuntimeError("DraftTuner.choose before set_step_seconds: time the engine steps first")
+            raise RuntimeError("DraftTuner.choose before calibrate: time the engine steps first")
         return [(1 + sum(self.acceptance[:k])) * self.step_seconds[0] / self.step_seconds[k]
                 for k in range(self.max_tokens + 1)]
 
@@ -445,10 +468,12 @@ class DraftTuner:
         return best if speeds[best] >= 1 + self.margin else 0
 
     def state_dict(self):
-        return {"max_tokens": self.max_tokens, "margin": self.margin, "step_seconds": self.step_seconds,
-                "acceptance": list(self.acceptance)}
+        return {"max_tokens": self.max_tokens, "margin": self.margin, "retime": self.retime,
+                "step_seconds": self.step_seconds, "acceptance": list(self.acceptance),
+                "timed_tokens_per_step": self.timed_tokens_per_step}
 
     def load_state_dict(self, state):
         if state["max_tokens"] != self.max_tokens:
             raise ValueError(f"a tuner state for max_tokens {state['max_tokens']}, this tuner has {self.max_tokens}")
-        self.margin, self.step_seconds, self.acceptance = state["margin"], state["step_seconds"], state["acceptance"]
+        for name in ("margin", "retime", "step_seconds", "acceptance", "timed_tokens_per_step"):
+            setattr(self, name, state[name])

@@ -1824,22 +1824,25 @@ def test_draft_tuner_chooses_the_fastest_k_and_drops_a_stale_draft_by_hand():
                                                  [round(a * drafts) for a in by_depth])
 
     tuner = spec_config.DraftTuner(max_tokens=3)
-    with pytest.raises(RuntimeError, match="before set_step_seconds"):
+    with pytest.raises(RuntimeError, match="before calibrate"):
         tuner.choose()
     with pytest.raises(ValueError, match="expected 4 positive finite seconds"):
-        tuner.set_step_seconds([1.0, 1.2, math.nan, 1.6])
-    tuner.set_step_seconds([1.0, 1.2, 1.4, 1.6])
-    assert tuner.choose() == 0  # nothing accepted yet: every draft only costs
+        tuner.calibrate([1.0, 1.2, math.nan, 1.6], None)
+    tuner.calibrate([1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
+    assert tuner.choose() == 0 and not tuner.timing_is_stale()  # nothing accepted yet: drafts only cost
     tuner.observe(statistics([0.9, 0.8, 0.7]))
     # tokens per step / seconds per step, relative to k = 0: 1.9/1.2, 2.7/1.4, 3.4/1.6
     assert tuner.predicted_speeds() == pytest.approx([1.0, 1.9 / 1.2, 2.7 / 1.4, 3.4 / 1.6])
     assert tuner.choose() == 3
+    # A deepest-k step now emits 3.4 tokens, not 1: its cost moved too, time again.
+    assert tuner.timing_is_stale()
+    tuner.calibrate([1.0, 1.2, 1.4, 1.8], statistics([0.9, 0.8, 0.7]))
+    assert not tuner.timing_is_stale() and tuner.choose() == 2  # 2.7/1.4 > 3.4/1.8
     # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, drafting stops.
     tuner.observe(statistics([0.1]))
     assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0
     # Within the margin drafting is not worth it.
-    tuner.set_step_seconds([1.0, 1.95, 3.0, 4.0])
-    tuner.observe(statistics([1.0, 1.0, 1.0]))
+    tuner.calibrate([1.0, 1.95, 3.0, 4.0], statistics([1.0, 1.0, 1.0]))
     assert tuner.predicted_speeds()[1] == pytest.approx(2 / 1.95) and tuner.choose() == 0
     restored = spec_config.DraftTuner(max_tokens=3)
     restored.load_state_dict(tuner.state_dict())

@@ -5,27 +5,34 @@ One process per device under torchrun. Each process holds a Megatron-Core policy
 on the same device (distributed_executor_backend="external_launcher", rollout tensor
 parallel --rollout-tp). Each step, one call per phase in `main`'s loop:
 
-    prompts -> vLLM (rollout, MTP drafts) -> rewards -> GRPO advantages
-            -> cp_thd packs -> forward (Megatron) -> PPO loss (+ MTP loss) -> megatron-core Adam
-            -> weight_sync -> vLLM
+    prompts -> (tune: how many tokens to draft) -> vLLM (rollout, MTP drafts) -> rewards
+            -> GRPO advantages -> cp_thd packs -> forward (Megatron) -> PPO loss (+ MTP loss)
+            -> megatron-core Adam -> weight_sync -> vLLM (the draft checked against Megatron's)
 
-    torchrun --nproc_per_node 2 train_grpo.py                       # CPU: tiny model, built-in task
+    torchrun --nproc_per_node 2 train_grpo.py                       # CPU: tiny model, repeat task
+    torchrun --nproc_per_node 2 train_grpo.py --task count          # CPU: 16-layer model, long answers
     torchrun --nproc_per_node 8 train_grpo.py --model DIR --tp 2 --cp 2 --rollout-tp 2
 
-Built-in task (no --data): repeat a letter. The prompt is "repeat:c", a random letter
-from a small alphabet last; the answer is the letter three times ("ccc"); the reward is
-the fraction of answer characters right, in place (per-character credit: a random policy
-over the 128-token vocabulary earns a little, about 1%). The credit is per token: each
-answer position gets its own group-baselined advantage. The letter sits at the end of
-the prompt, so each answer token only has to repeat the token before it: a mapping the
-tiny random-init model can find by RL alone in a few minutes on 2 CPU cores, and one its
-MTP head can draft once the policy is sure of it. With --data, examples come from a
+Built-in tasks (no --data), per-token credit: each answer position gets its own
+group-baselined advantage, and a random policy over the 128-token vocabulary earns a
+little (about 1%).
+- repeat (the default, on the 2-layer tiny model): "repeat:c" -> "ccc", a letter from a
+  small alphabet; a token's credit is 1 where it equals the answer's at its place. Each
+  answer token only has to repeat the token before it: the random-init model finds it
+  by RL alone in a few minutes on 2 CPU cores.
+- count (on the 16-layer deep model): "count:7" -> the next 32 digits counting up mod 10,
+  "8901..."; a digit earns its credit when it follows the one before it. Answers long
+  enough to draft, a model deep enough for a draft to be cheap next to a target step.
+MTP drafting: `--num-speculative-tokens auto` (the default) drafts the k (0 = none) that
+this engine measures fastest at the rollout's concurrency (spec_config.DraftTuner); every
+push into a drafting engine is followed by a check that vLLM's draft holds Megatron's MTP
+weights (weight_sync.check_draft). With --data, examples come from a
 .jsonl or .parquet file, in our layout ({"prompt", "answer"}) or verl's (prompt as chat
 messages, answer under reward_model.ground_truth), with an exact-match reward (numeric
 when the answer is a number). Chat-message prompts go through the tokenizer's chat
 template; every prompt reaches vLLM as token ids, so vLLM samples from exactly the
 tokens Megatron trains on. Metrics: OUT/metrics.jsonl, TensorBoard under
-OUT/tensorboard, and curves.png at the end.
+OUT/tensorboard, curves.png and acceptance_vs_entropy.png at the end.
 """
 
 import argparse
@@ -74,8 +81,10 @@ EVAL_HOLDOUT_MAX = 256
 PROBE_PROMPT = "repeat:a"
 PROBE_TOKENS = 4
 # --num-speculative-tokens auto: new tokens per timed rollout of the tune phase (long enough
-# that the prefill is a small part of it, short next to a rollout).
-TUNE_TOKENS = 16
+# that the prefill is a small part of it, short next to a rollout), and the prompts per
+# engine of an acceptance check while nothing drafts (x --group-size sequences).
+TUNE_TOKENS = 12
+ACCEPTANCE_CHECK_PROMPTS = 2
 NUMERIC_TOLERANCE = 1e-6
 ADVANTAGE_EPS = 1e-6
 ADAM_EPS = 1e-8
@@ -200,9 +209,12 @@ def parse_args(argv=None):
                         "0..--max-speculative-tokens (0: no drafting) predicted fastest from this engine's timed steps "
                         "at the rollout's concurrency and the draft's latest acceptance")
     p.add_argument("--max-speculative-tokens", type=int, default=3, help="the deepest k auto considers")
-    p.add_argument("--tune-every", type=int, default=25,
-                   help=f"auto: every N steps (and at the first) time a {TUNE_TOKENS}-token rollout of the step's "
-                        "prompts at each k on the current weights, measuring the draft's acceptance at every depth")
+    p.add_argument("--tune-every", type=int, default=50,
+                   help=f"auto: every N steps, at the first and when the acceptance moved far, time a {TUNE_TOKENS}-"
+                        "token rollout of the step's prompts at each k on the current weights")
+    p.add_argument("--acceptance-check-every", type=int, default=5,
+                   help="auto, while no rollout drafts: every N steps measure the draft's acceptance at every depth on "
+                        f"{ACCEPTANCE_CHECK_PROMPTS} of the step's prompts per engine")
     p.add_argument("--check-draft-every", type=int, default=1,
                    help="every N weight pushes, check that vLLM's MTP draft holds exactly Megatron's MTP weights and "
                         "stop naming the tensor when not (0: never)")
@@ -230,6 +242,7 @@ AT_LEAST = {"steps": (1, True), "tp": (1, True), "cp": (1, True), "rollout_tp": 
             "prompts_per_step": (1, True), "group_size": (2, True), "max_new_tokens": (1, True),
             "micro_batches": (1, True), "mini_batches": (1, True), "ppo_epochs": (1, True),
             "eval_every": (1, True), "max_speculative_tokens": (1, True), "tune_every": (1, True),
+            "acceptance_check_every": (1, True),
             "check_draft_every": (0, True), "save_every": (1, True),
             "keep_checkpoints": (1, True),
             "kv_cache_bytes": (1, True), "temperature": (0, False), "lr": (0, False), "grad_clip": (0, False),
@@ -1015,25 +1028,37 @@ def time_engine_steps(engines, tokenizer, examples, args, rank, warm_up):
 
 
 def tune(engines, policy, tokenizer, examples, args, rank, step):
-    """The tune phase (--num-speculative-tokens auto only): every --tune-every steps (and at
-    a process's first step) time each k on the current weights, and set the k this step's
-    rollout drafts; returns the timed deepest-k rollout's acceptance statistics of every
-    engine (None when nothing was timed). A no-op for a fixed k or without drafting."""
+    """The tune phase (--num-speculative-tokens auto only): set the k this step's rollout
+    drafts. Every --tune-every steps, at a process's first and when the acceptance moved
+    far, each k is timed on the current weights; while no rollout drafts, the draft's
+    acceptance is checked every --acceptance-check-every steps on a few prompts. Returns
+    (the acceptance statistics, every engine's at the deepest k, of what ran or None,
+    whether the k were timed). A no-op for a fixed k or without drafting."""
     tuner = engines.tuner
     if tuner is None:
-        return None
-    checked = None
-    if tuner.step_seconds is None or (step - 1) % args.tune_every == 0:
+        return None, False
+    checked, timed = None, False
+    due = tuner.step_seconds is None or (step - 1) % args.tune_every == 0
+    if not due and not engines.draft_tokens and (step - 1) % args.acceptance_check_every == 0:
+        ensure_current(engines, engines.drafting, policy, step - 1, args)
+        spec_config.set_draft_tokens(engines.drafting, args.max_speculative_tokens)
+        num_engines = dist.get_world_size() // args.rollout_tp
+        _, outputs = rollout(engines.drafting, tokenizer, examples[:ACCEPTANCE_CHECK_PROMPTS * num_engines],
+                             sampling_params(args, args.group_size, args.temperature, max_tokens=TUNE_TOKENS),
+                             args, rank)
+        checked = all_engines_statistics(engines.meter.read(outputs), args, rank)
+        tuner.observe(checked)
+    if due or tuner.timing_is_stale():
         for engine in (engines.plain, engines.drafting):
             ensure_current(engines, engine, policy, step - 1, args)
         seconds, checked = time_engine_steps(engines, tokenizer, examples, args, rank,
                                              warm_up=tuner.step_seconds is None)
-        tuner.set_step_seconds(seconds)
-        tuner.observe(checked)
+        tuner.calibrate(seconds, checked)
+        timed = True
     engines.draft_tokens = tuner.choose()
     if engines.draft_tokens:
         spec_config.set_draft_tokens(engines.drafting, engines.draft_tokens)
-    return checked
+    return checked, timed
 
 
 def generate(engines, policy, tokenizer, examples, args, rank, step):
@@ -1284,18 +1309,21 @@ def sync_weights(engines, policy, step, args):
     return {"probe_text": text, "probe_logprob": logprob, "weight_version": engine.get_weight_version()}
 
 
-def draft_record(engines, acceptance, checked):
+def draft_record(engines, acceptance, checked, timed):
     """The step's drafting metrics: draft_tokens (k of the rollout, 0: none), the rollout's
     acceptance_rate, mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the
     share of verify steps that accepted the first i drafts; None without drafting), and
-    under auto the acceptance check's check_acceptance_by_depth (on check steps) and the
-    predicted_speedup of k over no drafting."""
+    under auto check_acceptance_by_depth (the tune phase's, at the deepest k, on the
+    steps it measured), measured_speedups (tokens/s of each k = 0..max relative to k = 0,
+    on the steps it timed them) and the predicted_speedup of the chosen k."""
     record = {"draft_tokens": engines.draft_tokens,
               "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
               "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
               "acceptance_by_depth": spec_config.acceptance_by_depth(acceptance) or None}
     if checked is not None:
         record["check_acceptance_by_depth"] = spec_config.acceptance_by_depth(checked)
+    if timed:
+        record["measured_speedups"] = engines.tuner.predicted_speeds()
     if engines.tuner is not None:
         record["predicted_speedup"] = engines.tuner.predicted_speeds()[engines.draft_tokens]
     return record
@@ -1385,7 +1413,7 @@ def plot_curves(records, path):
 
 def plot_acceptance_against_entropy(records, path):
     """Draft acceptance (position 1: the share of verify steps that accepted the first
-    draft, from the rollout or auto's acceptance check) against the policy's entropy, a
+    draft, from the rollout or auto's timed deepest-k rollout) against the policy's entropy, a
     point per step, coloured by step; False (nothing drawn) when no step measured it."""
     points = [(r["entropy"], (r.get("acceptance_by_depth") or r.get("check_acceptance_by_depth"))[0], r["step"])
               for r in records if r.get("acceptance_by_depth") or r.get("check_acceptance_by_depth")]
@@ -1490,7 +1518,7 @@ def main(args):
         examples_now = sample_prompts(examples, step, args, dp_size)
         # Tune: how many tokens the MTP head drafts in this rollout (auto)
         with timer("tune"):
-            checked = tune(engines, policy, tokenizer, examples_now, args, rank, step)
+            checked, timed = tune(engines, policy, tokenizer, examples_now, args, rank, step)
         # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting
         with timer("rollout"):
             samples, acceptance = generate(engines, policy, tokenizer, examples_now, args, rank, step)
@@ -1509,7 +1537,7 @@ def main(args):
                 eval_metrics = evaluate(engines.active(), held_out, tokenizer, reward_function, args, rank)
         # Log and checkpoint
         record = step_record(step, samples, rewards, reduce_metrics(train_sums, device),
-                             draft_record(engines, acceptance, checked), sync_result, eval_metrics, timer.seconds)
+                             draft_record(engines, acceptance, checked, timed), sync_result, eval_metrics, timer.seconds)
         if rank == 0:
             records.append(record)
             log_step(record, metrics_path, writer, args, time.time() - started, step - start_step)
