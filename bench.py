@@ -626,7 +626,7 @@ def measure_spec_rollout(checkpoint, threads):
     for concurrency in SPEC_CONCURRENCIES:
         prompts = [{"prompt_token_ids": tokenizer.encode(f"count:{training_prompts[i % len(training_prompts)]}")}
                    for i in range(concurrency)]
-        tuner = spec_config.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
+        tuner = spec_config.DraftTuner(SPEC_MAX_DRAFT_TOKENS, SPEC_NEW_TOKENS)
         start = time.perf_counter()
         tuner.calibrate(*spec_config.time_draft_steps(fixed[0], dynamic, dynamic_meter, prompts, tune_params))
         auto = tuner.choose()

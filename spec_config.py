@@ -308,20 +308,22 @@ def fix_cpu_draft_sampling():
 # Drafting pays when the target is deep next to its draft and the batch is small; at high
 # concurrency verifying drafts costs as much as it saves, and a draft the policy has moved
 # away from only costs. So the number of draft tokens k (0 = no drafting) is measured, not
-# assumed. Rollout speed with k drafts, in tokens per second:
+# assumed. A rollout of T new tokens per sequence with k drafts takes
 #
-#     B * (1 + A_1 + ... + A_k) / c_k
+#     a_k + (T - 1) / (1 + A_1 + ... + A_k) * c_k   seconds,
 #
-# for B concurrent sequences, A_i = P(the first i drafts of a verify step are accepted)
-# and c_k the seconds of one engine step (verify k drafts, draft k more, emit what was
-# accepted). c_k depends on the model's shapes, B, the machine and, through the tokens
-# each step emits, on the acceptance itself: it is timed on the policy as it is, at the
-# rollout's concurrency, now and then and whenever the acceptance moved far. A_i moves
-# with the policy and its MTP head every step: it is read from the engine's own
-# acceptance counts after each drafting rollout (a draft the policy leaves behind stops
-# being used at the next rollout, not at the next timing) and, while nothing drafts,
-# from a small check at the deepest k every few steps. The choice depends on timings, so two runs of one seed can choose
-# differently; checkpoints carry the tuner, so a resumed run continues with its state.
+# A_i = P(the first i drafts of a verify step are accepted), a_k the seconds of the first
+# engine step (the prefill, and the draft's) and c_k of each later one (verify k drafts,
+# draft k more, emit what was accepted). a_k and c_k depend on the model's shapes, the
+# concurrency, the machine and, through the tokens each step emits, on the acceptance
+# itself: they are timed on the policy as it is, at the rollout's concurrency, now and then
+# and whenever the acceptance moved far. A short answer leaves drafting few steps to save
+# what its first step costs. A_i moves with the policy and its MTP head every step: it is
+# read from the engine's own acceptance counts after each drafting rollout (a draft the
+# policy leaves behind stops being used at the next rollout, not at the next timing) and,
+# while nothing drafts, from a small check at the deepest k every few steps. The choice
+# depends on timings, so two runs of one seed can choose differently; checkpoints carry
+# the tuner, so a resumed run continues with its state.
 
 # A drafting engine's k is switched between rollouts through vLLM's dynamic speculative
 # decoding schedule (batch size -> k, `num_speculative_tokens_per_batch_size`, vLLM >= 0.32):
@@ -370,51 +372,66 @@ def acceptance_by_depth(statistics):
 
 
 def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True, rounds=2):
-    """Seconds per engine step of `generate(prompts, params)`, [c_0, ..., c_max]: k = 0 on
-    `plain` (an engine without a speculative_config), k = 1..max on `drafting` (built with
-    `dynamic_speculative_config`, left at k = max); and the acceptance statistics of the
-    last rollout at k = max (`meter` reads `drafting`).
+    """Time a rollout of `prompts` at each k: ([a_0, ..., a_max], [c_0, ..., c_max],
+    statistics): a_k the seconds of its first engine step (prefill, and at k >= 1 the
+    draft's), c_k the seconds of each later step, and the acceptance statistics of the last
+    rollout at the deepest k (`meter` reads `drafting`). k = 0 runs on `plain` (an engine
+    without a speculative_config), k = 1..max on `drafting` (built with
+    `dynamic_speculative_config`, left at k = max).
 
-    `params` must sample a fixed number of tokens (max_tokens with ignore_eos). An engine
-    step emits one token per sequence and verify step, so a sequence takes 1 + its verify
-    steps. A step's cost grows with the drafts it accepts (each emitted token is processed):
-    time on the weights the rollouts will use. Each k is timed `rounds` times, the rounds
-    taking turns over k, and the fastest counts: a burst of load from elsewhere slows one
-    round, not the choice. `warm_up` runs each engine once untimed first (a first rollout
-    pays one-off costs).
+    `params` must sample a fixed number of tokens (max_tokens > 1, ignore_eos). A step
+    after the first emits one token per sequence and verify step, so a sequence takes 1 +
+    its verify steps. Each k is timed twice per round, with one new token (a_k) and with
+    `params` (c_k from the difference), `rounds` rounds taking turns over k, the fastest
+    counting: a burst of load from elsewhere slows one round, not the choice. A step's cost
+    grows with the drafts it accepts (each emitted token is processed): time on the weights
+    the rollouts will use. `warm_up` runs each engine once untimed first.
     """
+    if params.max_tokens < 2 or not params.ignore_eos:
+        raise ValueError(f"params: max_tokens={params.max_tokens}, ignore_eos={params.ignore_eos}; expected a fixed "
+                         "number of tokens, at least 2 (max_tokens >= 2 and ignore_eos=True)")
+    first_step = params.clone()
+    first_step.max_tokens = 1
     max_tokens = _scheduler(drafting).num_spec_tokens
-    seconds, statistics = [math.inf] * (max_tokens + 1), None
-    for timed_round in range(-1 if warm_up else 0, rounds):
+    first_seconds, step_seconds, statistics = [math.inf] * (max_tokens + 1), [math.inf] * (max_tokens + 1), None
+
+    def timed(engine, sampling):
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, sampling, use_tqdm=False) if prompts else []
+        return time.perf_counter() - start, outputs
+
+    if warm_up:
+        timed(plain, params)
+        timed(drafting, params)
+    for _ in range(rounds):
         for draft_tokens in range(max_tokens + 1):
-            if timed_round < 0 and draft_tokens > 1:
-                break  # warming up: one rollout per engine
             engine = drafting if draft_tokens else plain
             if draft_tokens:
                 set_draft_tokens(engine, draft_tokens)
-            start = time.perf_counter()
-            outputs = engine.generate(prompts, params, use_tqdm=False) if prompts else []
-            elapsed = time.perf_counter() - start
+            first, _ = timed(engine, first_step)
+            whole, outputs = timed(engine, params)
             rollout_statistics = meter.read(outputs) if draft_tokens else None
-            if timed_round < 0:
-                continue
             sequences = max(1, sum(len(output.outputs) for output in outputs))
-            steps = 1 + rollout_statistics["num_drafts"] / sequences if rollout_statistics else params.max_tokens
-            seconds[draft_tokens] = min(seconds[draft_tokens], elapsed / steps)
+            later_steps = rollout_statistics["num_drafts"] / sequences if rollout_statistics else params.max_tokens - 1
+            first_seconds[draft_tokens] = min(first_seconds[draft_tokens], first)
+            step_seconds[draft_tokens] = min(step_seconds[draft_tokens], max(whole - first, 0.0) / max(later_steps, 1))
             if draft_tokens == max_tokens:
                 statistics = rollout_statistics
-    return seconds, statistics
+    return first_seconds, step_seconds, statistics
 
 
 class DraftTuner:
     """Chooses the number of draft tokens k in 0..max_tokens that makes rollouts fastest.
 
-        tuner = DraftTuner(max_tokens=3)
+        tuner = DraftTuner(max_tokens=3, new_tokens=32)
         tuner.calibrate(*time_draft_steps(plain, drafting, meter, prompts, params))
         tuner.observe(meter.read(outputs))             # after each drafting rollout
         k = tuner.choose()
         if tuner.timing_is_stale(): ...                # acceptance moved: time again
 
+    A rollout of `new_tokens` tokens per sequence at k takes a_k + (new_tokens - 1) /
+    (1 + A_1 + ... + A_k) x c_k seconds (first step a_k, later ones c_k, each emitting 1 +
+    A_1 + ... + A_k tokens on average): a short answer leaves drafting few steps to save.
     `margin` (a fraction): drafting must be predicted at least this much faster than not
     drafting to be chosen, so timing noise does not buy a slower rollout. `retime` (a
     fraction): the timings are stale once the tokens a deepest-k step emits moved this
@@ -422,21 +439,22 @@ class DraftTuner:
     plain data (`state_dict`, `load_state_dict`) for checkpoints.
     """
 
-    def __init__(self, max_tokens, margin=0.03, retime=0.25):
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
-        self.max_tokens, self.margin, self.retime = max_tokens, margin, retime
-        self.step_seconds = None        # [c_0, ..., c_max]
+    def __init__(self, max_tokens, new_tokens, margin=0.03, retime=0.25):
+        for name, value in (("max_tokens", max_tokens), ("new_tokens", new_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        self.max_tokens, self.new_tokens, self.margin, self.retime = max_tokens, new_tokens, margin, retime
+        self.first_seconds = self.step_seconds = None  # [a_0, ..., a_max], [c_0, ..., c_max]
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
-        self.timed_tokens_per_step = None  # 1 + A_1 + ... + A_max when step_seconds were timed
+        self.timed_tokens_per_step = None  # 1 + A_1 + ... + A_max when the steps were timed
 
-    def calibrate(self, step_seconds, statistics):
-        """Take timed seconds per engine step [c_0, ..., c_max] and the acceptance statistics
-        of the timed rollout at the deepest k."""
-        if len(step_seconds) != self.max_tokens + 1 or not all(s > 0 and math.isfinite(s) for s in step_seconds):
-            raise ValueError(f"step_seconds={step_seconds!r}: expected {self.max_tokens + 1} positive finite "
-                             "seconds, one per k = 0..max_tokens")
-        self.step_seconds = list(step_seconds)
+    def calibrate(self, first_seconds, step_seconds, statistics):
+        """Take `time_draft_steps`' timings and the acceptance statistics of its deepest-k rollout."""
+        for name, seconds in (("first_seconds", first_seconds), ("step_seconds", step_seconds)):
+            if len(seconds) != self.max_tokens + 1 or not all(s > 0 and math.isfinite(s) for s in seconds):
+                raise ValueError(f"{name}={seconds!r}: expected {self.max_tokens + 1} positive finite seconds, one "
+                                 "per k = 0..max_tokens")
+        self.first_seconds, self.step_seconds = list(first_seconds), list(step_seconds)
         self.observe(statistics)
         self.timed_tokens_per_step = 1 + sum(self.acceptance)
 
@@ -455,12 +473,25 @@ class DraftTuner:
         for depth in range(len(measured), self.max_tokens):
             self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
 
-    def predicted_speeds(self):
-        """[tokens per second relative to k = 0, for k = 0..max_tokens]."""
+    def predicted_seconds(self, acceptance=None):
+        """[seconds of a rollout at k, for k = 0..max_tokens], at the measured acceptance
+        or at `acceptance` ([A_1, ..., A_max])."""
         if self.step_seconds is None:
             raise RuntimeError("DraftTuner.choose before calibrate: time the engine steps first")
-        return [(1 + sum(self.acceptance[:k])) * self.step_seconds[0] / self.step_seconds[k]
+        acceptance = self.acceptance if acceptance is None else acceptance
+        return [self.first_seconds[k] + (self.new_tokens - 1) / (1 + sum(acceptance[:k])) * self.step_seconds[k]
                 for k in range(self.max_tokens + 1)]
+
+    def predicted_speeds(self, acceptance=None):
+        """[tokens per second relative to k = 0, for k = 0..max_tokens]."""
+        seconds = self.predicted_seconds(acceptance)
+        return [seconds[0] / value for value in seconds]
+
+    def could_pay(self):
+        """Whether drafting could pay at all: with every draft accepted, at these timings
+        (which can only grow with the acceptance). False: checking the acceptance or timing
+        again is wasted until the machine or the batch changes."""
+        return max(self.predicted_speeds([1.0] * self.max_tokens)[1:]) >= 1 + self.margin
 
     def choose(self):
         speeds = self.predicted_speeds()
@@ -468,12 +499,14 @@ class DraftTuner:
         return best if speeds[best] >= 1 + self.margin else 0
 
     def state_dict(self):
-        return {"max_tokens": self.max_tokens, "margin": self.margin, "retime": self.retime,
-                "step_seconds": self.step_seconds, "acceptance": list(self.acceptance),
-                "timed_tokens_per_step": self.timed_tokens_per_step}
+        return {name: getattr(self, name) for name in self._STATE}
 
     def load_state_dict(self, state):
-        if state["max_tokens"] != self.max_tokens:
-            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']}, this tuner has {self.max_tokens}")
-        for name in ("margin", "retime", "step_seconds", "acceptance", "timed_tokens_per_step"):
+        if (state["max_tokens"], state["new_tokens"]) != (self.max_tokens, self.new_tokens):
+            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']} and new_tokens "
+                             f"{state['new_tokens']}, this tuner has {self.max_tokens} and {self.new_tokens}")
+        for name in self._STATE:
             setattr(self, name, state[name])
+
+    _STATE = ("max_tokens", "new_tokens", "margin", "retime", "first_seconds", "step_seconds", "acceptance",
+              "timed_tokens_per_step")

@@ -784,6 +784,50 @@ def test_build_mtp_speculative_config_checks_arguments_and_vllm_release(monkeypa
         assert build_mtp_speculative_config()["method"] == "mtp"
 
 
+
+def test_draft_tuner_chooses_the_fastest_k_and_drops_a_stale_draft_by_hand():
+    def statistics(by_depth, drafts=100):
+        return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
+                                                 [round(a * drafts) for a in by_depth])
+
+    tuner = spec_config.DraftTuner(max_tokens=3, new_tokens=11)
+    with pytest.raises(RuntimeError, match="before calibrate"):
+        tuner.choose()
+    with pytest.raises(ValueError, match="step_seconds=.*expected 4 positive finite seconds"):
+        tuner.calibrate([1.0] * 4, [1.0, 1.2, math.nan, 1.6], None)
+    tuner.calibrate([1.0] * 4, [1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
+    assert tuner.choose() == 0 and not tuner.timing_is_stale()  # nothing accepted yet: drafts only cost
+    tuner.observe(statistics([0.9, 0.8, 0.7]))
+    # a first step, then 10 tokens at 1, 1.9, 2.7, 3.4 tokens per step
+    assert tuner.predicted_seconds() == pytest.approx([11, 1 + 12 / 1.9, 1 + 14 / 2.7, 1 + 16 / 3.4])
+    assert tuner.choose() == 3
+    # A deepest-k step now emits 3.4 tokens, not 1: its cost moved too, time again.
+    assert tuner.timing_is_stale()
+    tuner.calibrate([1.0] * 4, [1.0, 1.2, 1.4, 1.8], statistics([0.9, 0.8, 0.7]))
+    assert not tuner.timing_is_stale() and tuner.choose() == 2  # 1 + 14/2.7 < 1 + 18/3.4
+    # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, drafting stops.
+    tuner.observe(statistics([0.1]))
+    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0
+    # Within the margin drafting is not worth it.
+    tuner.calibrate([1.0] * 4, [1.0, 1.95, 3.0, 4.0], statistics([1.0, 1.0, 1.0]))
+    assert tuner.predicted_speeds()[1] == pytest.approx(11 / 10.75) and tuner.choose() == 0
+    # The same engine: drafting pays on 32-token answers and not on 2-token ones, where the
+    # draft's share of the first step is not won back.
+    for new_tokens, best in ((33, 3), (3, 0)):
+        tuner = spec_config.DraftTuner(max_tokens=3, new_tokens=new_tokens)
+        tuner.calibrate([1.0, 2.0, 2.1, 2.2], [1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
+        # With nothing accepted yet, only the long answers could ever pay for drafting.
+        assert tuner.choose() == 0 and tuner.could_pay() == (best > 0)
+        tuner.observe(statistics([1.0, 1.0, 1.0]))
+        assert tuner.choose() == best, tuner.predicted_speeds()
+    restored = spec_config.DraftTuner(max_tokens=3, new_tokens=3)
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose()
+    with pytest.raises(ValueError, match="for max_tokens 3 and new_tokens 3, this tuner has 2 and 3"):
+        spec_config.DraftTuner(max_tokens=2, new_tokens=3).load_state_dict(tuner.state_dict())
+    assert spec_config.acceptance_by_depth(None) == [] and spec_config.acceptance_by_depth(statistics([0.5, 0.25])) \
+        == [0.5, 0.25]
+
 # ---------------------------------------------------------------------------------------
 # weight_sync: Megatron <-> Hugging Face <-> vLLM
 # ---------------------------------------------------------------------------------------
@@ -1080,10 +1124,9 @@ DRAFTED_SAMPLING_TEMPERATURE = 0.7
 DRAFTED_SAMPLING_COMPLETIONS = 4
 
 
-def _drafted_sampling(checkpoint):
-    """Tempered sampling with MTP drafts, before and after spec_config.fix_cpu_draft_sampling."""
-    from vllm import LLM, SamplingParams
-
+def _draft_friendly_megatron_model(checkpoint):
+    """In a spawned process: megatron-core on CPU (tensor parallel 1, MTP patches) and the
+    checkpoint's GPTModel with `_draft_friendly` weights."""
     from megatron_model import build_gpt_model
     cpu_backend.init_distributed()
     cpu_backend.init_model_parallel(tensor_parallel=1)
@@ -1091,6 +1134,14 @@ def _drafted_sampling(checkpoint):
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
     _draft_friendly(model)
+    return model
+
+
+def _drafted_sampling(checkpoint):
+    """Tempered sampling with MTP drafts, before and after spec_config.fix_cpu_draft_sampling."""
+    from vllm import LLM, SamplingParams
+
+    model = _draft_friendly_megatron_model(checkpoint)
     engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
                  logprobs_mode="processed_logprobs", **WEIGHT_SYNC_ENGINE_OPTIONS)
     weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
@@ -1132,13 +1183,7 @@ def _draft_controls(checkpoint):
     stale-draft check after a full push, after a push without the draft, and on bad k."""
     from vllm import LLM, SamplingParams
 
-    from megatron_model import build_gpt_model
-    cpu_backend.init_distributed()
-    cpu_backend.init_model_parallel(tensor_parallel=1)
-    mtp_patch.patch_megatron_mtp()
-    model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
-    _draft_friendly(model)
+    model = _draft_friendly_megatron_model(checkpoint)
     spec_config.fix_cpu_draft_sampling()
     options = dict(WEIGHT_SYNC_ENGINE_OPTIONS, speculative_config=spec_config.dynamic_speculative_config(
         spec_config.build_mtp_speculative_config("mtp", DYNAMIC_DRAFT_TOKENS)))
@@ -1818,41 +1863,6 @@ def test_count_task_answers_and_credits_each_digit_that_follows_the_one_before(t
         train_grpo.digit_successors(MergesDigits(), 1)
 
 
-def test_draft_tuner_chooses_the_fastest_k_and_drops_a_stale_draft_by_hand():
-    def statistics(by_depth, drafts=100):
-        return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
-                                                 [round(a * drafts) for a in by_depth])
-
-    tuner = spec_config.DraftTuner(max_tokens=3)
-    with pytest.raises(RuntimeError, match="before calibrate"):
-        tuner.choose()
-    with pytest.raises(ValueError, match="expected 4 positive finite seconds"):
-        tuner.calibrate([1.0, 1.2, math.nan, 1.6], None)
-    tuner.calibrate([1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
-    assert tuner.choose() == 0 and not tuner.timing_is_stale()  # nothing accepted yet: drafts only cost
-    tuner.observe(statistics([0.9, 0.8, 0.7]))
-    # tokens per step / seconds per step, relative to k = 0: 1.9/1.2, 2.7/1.4, 3.4/1.6
-    assert tuner.predicted_speeds() == pytest.approx([1.0, 1.9 / 1.2, 2.7 / 1.4, 3.4 / 1.6])
-    assert tuner.choose() == 3
-    # A deepest-k step now emits 3.4 tokens, not 1: its cost moved too, time again.
-    assert tuner.timing_is_stale()
-    tuner.calibrate([1.0, 1.2, 1.4, 1.8], statistics([0.9, 0.8, 0.7]))
-    assert not tuner.timing_is_stale() and tuner.choose() == 2  # 2.7/1.4 > 3.4/1.8
-    # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, drafting stops.
-    tuner.observe(statistics([0.1]))
-    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0
-    # Within the margin drafting is not worth it.
-    tuner.calibrate([1.0, 1.95, 3.0, 4.0], statistics([1.0, 1.0, 1.0]))
-    assert tuner.predicted_speeds()[1] == pytest.approx(2 / 1.95) and tuner.choose() == 0
-    restored = spec_config.DraftTuner(max_tokens=3)
-    restored.load_state_dict(tuner.state_dict())
-    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose()
-    with pytest.raises(ValueError, match="for max_tokens 3, this tuner has 2"):
-        spec_config.DraftTuner(max_tokens=2).load_state_dict(tuner.state_dict())
-    assert spec_config.acceptance_by_depth(None) == [] and spec_config.acceptance_by_depth(statistics([0.5, 0.25])) \
-        == [0.5, 0.25]
-
-
 REWARD_FILE = """
 def letter_a(prompt, response, answer):
     return response.count("a") / max(len(response), 1)
@@ -1921,7 +1931,7 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
         assert record["predicted_speedup"] == 1.0
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
-    assert tuner["max_tokens"] == 3 and len(tuner["step_seconds"]) == 4 and min(tuner["step_seconds"]) > 0
+    assert tuner["max_tokens"] == 3 and len(tuner["step_seconds"]) == 4 and min(tuner["first_seconds"]) > 0
 
 
 # One flag per kind of rejection, and what its message must say.

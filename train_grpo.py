@@ -734,7 +734,7 @@ def build_engines(model_dir, args, rank, dtype):
     plain = build_engine(model_dir, args, rank, dtype, drafting=False) if auto or not args.mtp_rollout else None
     drafting = build_engine(model_dir, args, rank, dtype, drafting=True) if args.mtp_rollout else None
     engines = Engines(plain, drafting, draft_tokens=0 if auto or not args.mtp_rollout else args.num_speculative_tokens,
-                      tuner=spec_config.DraftTuner(args.max_speculative_tokens) if auto else None,
+                      tuner=spec_config.DraftTuner(args.max_speculative_tokens, args.max_new_tokens) if auto else None,
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
     for engine in engines.all():
         engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
@@ -1013,25 +1013,26 @@ def ensure_current(engines, engine, policy, version, args):
 
 def time_engine_steps(engines, tokenizer, examples, args, rank, warm_up):
     """spec_config.time_draft_steps on this engine's share of `examples` (this rollout's
-    concurrency, the current weights), TUNE_TOKENS new tokens: ([c_0, ..., c_max], the
-    slowest rank's: ranks roll out in step; the acceptance statistics of every engine's
-    rollout at the deepest k)."""
+    concurrency, the current weights), TUNE_TOKENS new tokens: (first-step and later-step
+    seconds per k, each the slowest rank's: ranks roll out in step; the acceptance
+    statistics of every engine's rollout at the deepest k)."""
     num_engines = dist.get_world_size() // args.rollout_tp
     share = examples[rank // args.rollout_tp::num_engines]
     prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
-    seconds, deepest = spec_config.time_draft_steps(
+    first_seconds, step_seconds, deepest = spec_config.time_draft_steps(
         engines.plain, engines.drafting, engines.meter, prompts,
         sampling_params(args, args.group_size, args.temperature, max_tokens=TUNE_TOKENS), warm_up)
-    slowest = torch.tensor(seconds, dtype=torch.float64)
+    slowest = torch.tensor([first_seconds, step_seconds], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist(), all_engines_statistics(deepest, args, rank)
+    return *slowest.tolist(), all_engines_statistics(deepest, args, rank)
 
 
 def tune(engines, policy, tokenizer, examples, args, rank, step):
     """The tune phase (--num-speculative-tokens auto only): set the k this step's rollout
     drafts. Every --tune-every steps, at a process's first and when the acceptance moved
     far, each k is timed on the current weights; while no rollout drafts, the draft's
-    acceptance is checked every --acceptance-check-every steps on a few prompts. Returns
+    acceptance is checked every --acceptance-check-every steps on a few prompts; neither
+    check nor extra timing runs where the timings say drafting cannot pay. Returns
     (the acceptance statistics, every engine's at the deepest k, of what ran or None,
     whether the k were timed). A no-op for a fixed k or without drafting."""
     tuner = engines.tuner
@@ -1039,7 +1040,9 @@ def tune(engines, policy, tokenizer, examples, args, rank, step):
         return None, False
     checked, timed = None, False
     due = tuner.step_seconds is None or (step - 1) % args.tune_every == 0
-    if not due and not engines.draft_tokens and (step - 1) % args.acceptance_check_every == 0:
+    # Where drafting cannot pay even with every draft accepted, only the periodic timing runs.
+    hopeless = tuner.step_seconds is not None and not tuner.could_pay()
+    if not due and not hopeless and not engines.draft_tokens and (step - 1) % args.acceptance_check_every == 0:
         ensure_current(engines, engines.drafting, policy, step - 1, args)
         spec_config.set_draft_tokens(engines.drafting, args.max_speculative_tokens)
         num_engines = dist.get_world_size() // args.rollout_tp
@@ -1048,12 +1051,12 @@ def tune(engines, policy, tokenizer, examples, args, rank, step):
                              args, rank)
         checked = all_engines_statistics(engines.meter.read(outputs), args, rank)
         tuner.observe(checked)
-    if due or tuner.timing_is_stale():
+    if due or (not hopeless and tuner.timing_is_stale()):
         for engine in (engines.plain, engines.drafting):
             ensure_current(engines, engine, policy, step - 1, args)
-        seconds, checked = time_engine_steps(engines, tokenizer, examples, args, rank,
-                                             warm_up=tuner.step_seconds is None)
-        tuner.calibrate(seconds, checked)
+        first_seconds, step_seconds, checked = time_engine_steps(engines, tokenizer, examples, args, rank,
+                                                                 warm_up=tuner.step_seconds is None)
+        tuner.calibrate(first_seconds, step_seconds, checked)
         timed = True
     engines.draft_tokens = tuner.choose()
     if engines.draft_tokens:
