@@ -574,7 +574,7 @@ SPEC_CONCURRENCIES = (1, 8, 64, 256)
 SPEC_MAX_DRAFT_TOKENS = 3
 SPEC_NEW_TOKENS = 64
 SPEC_TEMPERATURE = 1.0
-SPEC_REPEATS = 3
+SPEC_REPEATS = 5
 # Room for 256 sequences of 70 tokens in each of the five engines' KV caches.
 SPEC_KV_CACHE_BYTES = 2**28
 SPEC_HEATMAP = os.path.join(REPO_DIR, "spec_rollout_cpu.png")

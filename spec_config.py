@@ -382,8 +382,8 @@ def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True, roun
     `params` must sample a fixed number of tokens (max_tokens > 1, ignore_eos). A step
     after the first emits one token per sequence and verify step, so a sequence takes 1 +
     its verify steps. Each k is timed twice per round, with one new token (a_k) and with
-    `params` (c_k from the difference), `rounds` rounds taking turns over k, the fastest
-    counting: a burst of load from elsewhere slows one round, not the choice. A step's cost
+    `params` (c_k from the difference), `rounds` rounds taking turns over k, the fastest of
+    each counting: a burst of load from elsewhere slows one round, not the choice. A step's cost
     grows with the drafts it accepts (each emitted token is processed): time on the weights
     the rollouts will use. `warm_up` runs each engine once untimed first.
     """
@@ -393,7 +393,8 @@ def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True, roun
     first_step = params.clone()
     first_step.max_tokens = 1
     max_tokens = _scheduler(drafting).num_spec_tokens
-    first_seconds, step_seconds, statistics = [math.inf] * (max_tokens + 1), [math.inf] * (max_tokens + 1), None
+    first_seconds, whole_seconds = [math.inf] * (max_tokens + 1), [math.inf] * (max_tokens + 1)
+    later_steps, statistics = [1.0] * (max_tokens + 1), None
 
     def timed(engine, sampling):
         start = time.perf_counter()
@@ -412,12 +413,23 @@ def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True, roun
             whole, outputs = timed(engine, params)
             rollout_statistics = meter.read(outputs) if draft_tokens else None
             sequences = max(1, sum(len(output.outputs) for output in outputs))
-            later_steps = rollout_statistics["num_drafts"] / sequences if rollout_statistics else params.max_tokens - 1
+            later_steps[draft_tokens] = max(1.0, rollout_statistics["num_drafts"] / sequences if rollout_statistics
+                                            else params.max_tokens - 1)
             first_seconds[draft_tokens] = min(first_seconds[draft_tokens], first)
-            step_seconds[draft_tokens] = min(step_seconds[draft_tokens], max(whole - first, 0.0) / max(later_steps, 1))
+            whole_seconds[draft_tokens] = min(whole_seconds[draft_tokens], whole)
             if draft_tokens == max_tokens:
                 statistics = rollout_statistics
+    # Each the fastest of its rounds, then the difference: a slow first step in one round
+    # cannot make that round's later steps look fast. (Should noise make the whole rollout
+    # no longer than its first step, every step counts alike.)
+    step_seconds = [(whole - first) / steps if whole > first else whole / (steps + 1)
+                    for whole, first, steps in zip(whole_seconds, first_seconds, later_steps)]
     return first_seconds, step_seconds, statistics
+
+
+# DraftTuner.hopeless: the best-case speed relative to no drafting below which nothing
+# more is measured between periodic timings.
+HOPELESS_SPEED = 0.8
 
 
 class DraftTuner:
@@ -487,11 +499,12 @@ class DraftTuner:
         seconds = self.predicted_seconds(acceptance)
         return [seconds[0] / value for value in seconds]
 
-    def could_pay(self):
-        """Whether drafting could pay at all: with every draft accepted, at these timings
-        (which can only grow with the acceptance). False: checking the acceptance or timing
-        again is wasted until the machine or the batch changes."""
-        return max(self.predicted_speeds([1.0] * self.max_tokens)[1:]) >= 1 + self.margin
+    def hopeless(self):
+        """Whether drafting stays well below no drafting (HOPELESS_SPEED) even with every
+        draft accepted, at these timings (which only grow with the acceptance): checking the
+        acceptance or timing again on its account is wasted. Not merely below 1 + margin:
+        one timing disturbed by a burst of load must not switch the checks off."""
+        return max(self.predicted_speeds([1.0] * self.max_tokens)[1:]) < HOPELESS_SPEED
 
     def choose(self):
         speeds = self.predicted_speeds()

@@ -816,10 +816,15 @@ def test_draft_tuner_chooses_the_fastest_k_and_drops_a_stale_draft_by_hand():
     for new_tokens, best in ((33, 3), (3, 0)):
         tuner = spec_config.DraftTuner(max_tokens=3, new_tokens=new_tokens)
         tuner.calibrate([1.0, 2.0, 2.1, 2.2], [1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
-        # With nothing accepted yet, only the long answers could ever pay for drafting.
-        assert tuner.choose() == 0 and tuner.could_pay() == (best > 0)
+        # Nothing accepted yet: no drafting; fully accepted the short answers would still be
+        # slower (at best 3 / 2.8, not below HOPELESS_SPEED: the checks go on).
+        assert tuner.choose() == 0 and not tuner.hopeless()
         tuner.observe(statistics([1.0, 1.0, 1.0]))
         assert tuner.choose() == best, tuner.predicted_speeds()
+    # Drafting that costs twice a plain step per step and four times the first step is
+    # hopeless even fully accepted, on short answers: nothing more is measured for it.
+    tuner.calibrate([1.0, 4.0, 4.0, 4.0], [1.0, 2.0, 2.0, 2.0], statistics([0.0, 0.0, 0.0]))
+    assert tuner.hopeless() and max(tuner.predicted_speeds([1.0] * 3)[1:]) == pytest.approx(3 / 5)
     restored = spec_config.DraftTuner(max_tokens=3, new_tokens=3)
     restored.load_state_dict(tuner.state_dict())
     assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose()

@@ -1032,7 +1032,7 @@ def tune(engines, policy, tokenizer, examples, args, rank, step):
     drafts. Every --tune-every steps, at a process's first and when the acceptance moved
     far, each k is timed on the current weights; while no rollout drafts, the draft's
     acceptance is checked every --acceptance-check-every steps on a few prompts; neither
-    check nor extra timing runs where the timings say drafting cannot pay. Returns
+    check nor extra timing runs where drafting stays far slower even fully accepted. Returns
     (the acceptance statistics, every engine's at the deepest k, of what ran or None,
     whether the k were timed). A no-op for a fixed k or without drafting."""
     tuner = engines.tuner
@@ -1040,8 +1040,8 @@ def tune(engines, policy, tokenizer, examples, args, rank, step):
         return None, False
     checked, timed = None, False
     due = tuner.step_seconds is None or (step - 1) % args.tune_every == 0
-    # Where drafting cannot pay even with every draft accepted, only the periodic timing runs.
-    hopeless = tuner.step_seconds is not None and not tuner.could_pay()
+    # Where drafting stays far slower even with every draft accepted, only the periodic timing runs.
+    hopeless = tuner.step_seconds is not None and tuner.hopeless()
     if not due and not hopeless and not engines.draft_tokens and (step - 1) % args.acceptance_check_every == 0:
         ensure_current(engines, engines.drafting, policy, step - 1, args)
         spec_config.set_draft_tokens(engines.drafting, args.max_speculative_tokens)
@@ -1402,6 +1402,10 @@ def plot_curves(records, path):
     axis.plot(steps, [r["reward_mean"] for r in records], label="mean reward")
     if any(r.get("acceptance_rate") is not None for r in records):
         axis.plot(steps, [r.get("acceptance_rate") for r in records], label="MTP draft acceptance")
+    checked = [r for r in records if r.get("check_acceptance_by_depth")]
+    if checked:
+        axis.plot([r["step"] for r in checked], [r["check_acceptance_by_depth"][0] for r in checked], "s",
+                  label="draft acceptance, first depth (auto's checks)")
     evaluated = [r for r in records if "eval_accuracy" in r]
     for name, label in (("eval_reward_mean", "held-out mean reward (greedy)"),
                         ("eval_accuracy", "held-out accuracy (greedy)")):
