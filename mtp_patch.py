@@ -336,21 +336,28 @@ def _make_process_mtp_loss(megatron, packed_roll):
         roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": cp_group}
         if packed_roll is not None:
             roll_kwargs["packed_seq_params"] = packed_seq_params
-        mtp_labels = labels.clone()
         if loss_mask is None:
-            loss_mask = torch.ones_like(mtp_labels)
-        original_num_tokens = _sum_over(loss_mask.sum(), cp_group)
+            loss_mask = torch.ones_like(labels)
+        # Depth k predicts labels rolled k times, under the mask rolled k times. All depths'
+        # token counts (and the unrolled one) cross the CP group in one all-reduce: one
+        # synchronisation of the ranks per forward, not one per depth and another before.
+        depth_labels, depth_masks, counts = [], [], [loss_mask.sum()]
+        for _ in range(num_layers):
+            labels, _ = roll_tensor(labels, **roll_kwargs)
+            loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
+            depth_labels.append(labels)
+            depth_masks.append(loss_mask)
+            counts.append(num_tokens)
+        original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
         for depth in range(num_layers):
             mtp_logits, _ = output_layer(hidden_states_list[depth + 1], weight=output_weight,
                                          runtime_gather_output=runtime_gather_output)
-            mtp_labels, _ = roll_tensor(mtp_labels, **roll_kwargs)
             if scale_logits is not None:
                 mtp_logits = scale_logits(mtp_logits)
-            loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
-            num_tokens = _sum_over(num_tokens, cp_group).clamp(min=1)
-            mtp_loss = loss_mask * compute_language_model_loss(mtp_labels, mtp_logits)
+            num_tokens = depth_num_tokens[depth].clamp(min=1)
+            mtp_loss = depth_masks[depth] * compute_language_model_loss(depth_labels[depth], mtp_logits)
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
             # 0.19 replaced this logger with one that also wants acceptance counts.
             if is_training and logs_to_tracker:
@@ -368,7 +375,7 @@ def _make_process_mtp_loss(megatron, packed_roll):
 
 
 def _sum_over(count, group):
-    """A token count summed over `group` (a no-op outside torch.distributed or at size 1)."""
+    """Token counts (any shape) summed over `group` (a no-op outside torch.distributed or at size 1)."""
     if group is None or not torch.distributed.is_initialized() or group.size() == 1:
         return count
     count = count.clone()
