@@ -1583,6 +1583,29 @@ def test_packed_attention_work_is_per_sequence_not_per_pack():
                        for bucket in plan.buckets)
 
 
+def _gather_keys_over_gloo():
+    """The key/value all-gather and its reduce-scatter gradient, as pairwise exchanges."""
+    import torch.distributed as dist
+    import cp_attention
+    rank, world_size, _ = cpu_backend.init_distributed()
+    shards = [torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    local = shards[rank].clone().requires_grad_()
+    gathered = cp_attention._AllGatherSequence.apply(local, dist.group.WORLD)
+    # Each rank weighs the gathered rows its own way: the gradient of a shard sums every rank's weights.
+    weights = [torch.randn(5 * world_size, 2, 3, generator=torch.Generator().manual_seed(100 + r))
+               for r in range(world_size)]
+    (gathered * weights[rank]).sum().backward()
+    expected_grad = weights[0].chunk(world_size)[rank].clone()
+    for other in weights[1:]:
+        expected_grad += other.chunk(world_size)[rank]
+    return torch.equal(gathered.detach(), torch.cat(shards)), torch.equal(local.grad, expected_grad)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_packed_attention_key_gather_and_its_gradient_are_exact_over_gloo(cp_size):
+    assert run_in_processes(_gather_keys_over_gloo, world_size=cp_size) == [(True, True)] * cp_size
+
+
 # ---------------------------------------------------------------------------------------
 # train_grpo.py: end to end, and its pure pieces
 # ---------------------------------------------------------------------------------------
