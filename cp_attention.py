@@ -38,7 +38,8 @@ Under CP every rank all-gathers the keys and values of the whole pack (keys and 
 as one tensor, one collective). A partial exchange would not be cheaper in wall time:
 rank 0's back chunk (chunk 2cp-1) sees every chunk of every sequence, so rank 0 needs
 every other rank's whole shard, and ranks step together. The gradient of the gathered
-keys and values goes back by a reduce-scatter.
+keys and values goes back by a reduce-scatter. Both are pairwise exchanges, faster on
+gloo than its own collectives (see `_AllGatherSequence`).
 
 Imports torch, megatron-core and cp_thd (the layout).
 """
@@ -186,20 +187,48 @@ class _AllGatherSequence(torch.autograd.Function):
 
     Backward: every rank's loss used every rank's keys, so the gradient of this rank's
     shard is the sum over ranks of the gradient its slice received: a reduce-scatter.
+    Both ways are pairwise exchanges with every other rank (`_exchange`), not gloo's
+    all_gather_into_tensor and reduce_scatter_tensor: gloo runs the reduce-scatter as an
+    all-reduce of the whole tensor. Measured at CP 2 on [5460, 4, 64] fp32 (a layer's keys
+    and values): all-gather 3.8 ms, exchange 1.9 ms; reduce-scatter 7.9 ms, exchange and
+    add 1.6 ms.
     """
 
     @staticmethod
     def forward(ctx, local, group):
         ctx.group = group
         gathered = local.new_empty((group.size() * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        shards = gathered.chunk(group.size())
+        shards[group.rank()].copy_(local)
+        _exchange(group, [local.contiguous()] * group.size(), shards)
         return gathered
 
     @staticmethod
     def backward(ctx, grad_gathered):
-        grad_local = grad_gathered.new_empty((grad_gathered.shape[0] // ctx.group.size(), *grad_gathered.shape[1:]))
-        dist.reduce_scatter_tensor(grad_local, grad_gathered.contiguous(), group=ctx.group)
+        group = ctx.group
+        pieces = list(grad_gathered.contiguous().chunk(group.size()))
+        received = [torch.empty_like(piece) for piece in pieces]
+        _exchange(group, pieces, received)
+        received[group.rank()] = pieces[group.rank()]
+        grad_local = received[0].clone()
+        for piece in received[1:]:  # in rank order on every rank
+            grad_local += piece
         return grad_local, None
+
+
+def _exchange(group, outgoing, incoming):
+    """Send outgoing[j] to every other rank j of `group` and receive incoming[j] from it, as
+    one batch of point-to-point operations. Both lists hold one contiguous tensor per rank."""
+    operations = []
+    for peer in range(group.size()):
+        if peer != group.rank():
+            peer_rank = dist.get_global_rank(group, peer)
+            operations += [dist.P2POp(dist.isend, outgoing[peer], peer_rank, group),
+                           dist.P2POp(dist.irecv, incoming[peer], peer_rank, group)]
+    if not operations:  # a group of one
+        return
+    for request in dist.batch_isend_irecv(operations):
+        request.wait()
 
 
 class ContextParallelTHDAttention(torch.nn.Module):

@@ -2,8 +2,8 @@
 
 RL training with a multi-token-prediction (MTP) head needs an MTP path that upstream
 megatron-core gives only in some releases, and each release moves the API (see the table
-in README.md). `patch_megatron_mtp()` replaces two functions on megatron-core's classes, so
-every GPTModel, built before or after, gets this behaviour:
+in README.md). `patch_megatron_mtp()` replaces three functions of megatron-core (two on
+0.14/0.15), so every GPTModel, built before or after, gets this behaviour:
 
 1. Decoupled MTP loss (`decouple=True`, the default): the MTP loss trains only the MTP
    layers. The trunk's hidden states and the token embeddings enter the MTP layers
@@ -23,14 +23,19 @@ every GPTModel, built before or after, gets this behaviour:
    per-rank MTP losses add up (as megatron sums gradients over CP) to the CP=1 loss.
    After each forward, `model.mtp_losses` holds this rank's per-depth MTP losses
    ([mtp_num_layers] fp32, detached; None when no MTP loss was computed).
+7. Packed sequences (0.16+) roll by one position per MTP depth with one all-gather over
+   the CP group and a vectorised index map (`roll_packed`), not megatron's loop over
+   sequences with an isend/irecv pair per sequence and roll: same values, exactly.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
-    patch_megatron_mtp()             # returns 2 (functions replaced); again: returns 0
+    patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
     ...
-    unpatch_megatron_mtp()           # returns 2; the original function objects are back
+    unpatch_megatron_mtp()           # returns 3; the original function objects are back
 
-Patched: `GPTModel._postprocess` (the MTP layers and their loss run there) and
-`MultiTokenPredictionLayer._checkpointed_forward`. Every signature difference between
+Patched: `GPTModel._postprocess` (the MTP layers and their loss run there),
+`MultiTokenPredictionLayer._checkpointed_forward` and, where it has a packed path
+(0.16+), the module global `multi_token_prediction.roll_tensor` that `_get_embeddings`
+calls (the loss here uses the same roll). Every signature difference between
 releases is probed once, when patching, and kept in the replacement's closure; a
 forward pass never inspects a signature. Inference paths (an inference context,
 speculative decoding, megatron's inference mode) run the release's own code unchanged.
@@ -45,14 +50,24 @@ import warnings
 
 import torch
 
-# Where each replaced function lives: (module, class, function).
+# Where each replaced function lives: (module, class or None for a module global, function).
 PATCHED_FUNCTIONS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel", "_postprocess"),
     ("megatron.core.transformer.multi_token_prediction", "MultiTokenPredictionLayer", "_checkpointed_forward"),
+    # `_get_embeddings` looks it up in its module at every call. Replaced only where it has
+    # a packed path (0.16+): 0.14/0.15's MTP layers refuse packed sequences.
+    ("megatron.core.transformer.multi_token_prediction", None, "roll_tensor"),
 )
 # Set on each replacement: the options it was made with. Guards against patching twice
 # (whichever copy of this module patched first) and marks what `unpatch` may restore.
 PATCH_MARK = "_mtp_patch_options"
+
+# Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
+CHUNKS_PER_RANK = 2
+# What megatron rolls in at the last position of each sequence.
+ROLL_FILL_VALUE = 0
+# Where `roll_packed` keeps a batch's index map: on its PackedSeqParams, for the next rolls.
+ROLL_SOURCE_ATTRIBUTE = "_mtp_patch_roll_source"
 
 # `GPTModel._postprocess` parameters of 0.14 - 0.19; a release that adds one is refused
 # rather than silently dropping what the new parameter carries.
@@ -67,7 +82,8 @@ KNOWN_POSTPROCESS_PARAMETERS = {
 
 
 def patch_megatron_mtp(*, decouple=True):
-    """Patch megatron-core's GPTModel and MTP layer classes; returns how many functions it replaced.
+    """Patch megatron-core's GPTModel, its MTP layers and packed roll; returns how many functions
+    it replaced (3; 2 on 0.14/0.15, which have no packed roll).
 
     decouple (bool, default True): the MTP loss trains only the MTP layers. RL runs report
         that an MTP loss flowing into the trunk and the shared output layer pulls the policy
@@ -91,16 +107,19 @@ def patch_megatron_mtp(*, decouple=True):
         raise RuntimeError(f"megatron-core MTP patches are already in place with options {marks[0]}, "
                            f"not {options}: call unpatch_megatron_mtp() first")
     probes = _probe(megatron)
-    replacements = {
-        "_postprocess": _make_postprocess(vars(megatron["GPTModel"])["_postprocess"], megatron, probes, options),
-        "_checkpointed_forward": _make_checkpointed_forward(
-            vars(megatron["MultiTokenPredictionLayer"])["_checkpointed_forward"], megatron, probes),
-    }
+    replacements = {}
+    if "roll_tensor" in [name for _, name in targets]:
+        replacements["roll_tensor"] = _make_roll_tensor(megatron["roll_tensor"])
+    # The MTP loss rolls labels and its mask with the same roll as the MTP layers.
+    replacements["_postprocess"] = _make_postprocess(vars(megatron["GPTModel"])["_postprocess"], megatron, probes,
+                                                     options, replacements.get("roll_tensor"))
+    replacements["_checkpointed_forward"] = _make_checkpointed_forward(
+        vars(megatron["MultiTokenPredictionLayer"])["_checkpointed_forward"], megatron, probes)
     for owner, name in targets:
         replacement = replacements[name]
         setattr(replacement, PATCH_MARK, options)
         setattr(owner, name, replacement)
-    return len(replacements)
+    return len(targets)
 
 
 def unpatch_megatron_mtp():
@@ -145,9 +164,12 @@ def _import_megatron():
     }
     missing = [f"{module.__name__}.{name}" for module, name in required.values() if not hasattr(module, name)]
     megatron = {key: getattr(module, name, None) for key, (module, name) in required.items()}
-    for _, class_name, function_name in PATCHED_FUNCTIONS:
-        owner = megatron[class_name]
-        if owner is not None and function_name not in vars(owner):
+    modules = {module.__name__: module for module in (gpt_model, multi_token_prediction)}
+    owners = [modules[module_name] if class_name is None else megatron[class_name]
+              for module_name, class_name, _ in PATCHED_FUNCTIONS]
+    for owner, (_, class_name, function_name) in zip(owners, PATCHED_FUNCTIONS):
+        # A missing class, or module global, is already in `missing`.
+        if class_name is not None and owner is not None and function_name not in vars(owner):
             missing.append(f"{owner.__module__}.{class_name}.{function_name}")
     if missing:
         raise RuntimeError(f"megatron-core {version} lacks {', '.join(missing)}, which the MTP patches need "
@@ -158,7 +180,8 @@ def _import_megatron():
         megatron["InferenceMode"] = InferenceMode
     except ImportError:
         megatron["InferenceMode"] = None
-    targets = [(megatron[class_name], function_name) for _, class_name, function_name in PATCHED_FUNCTIONS]
+    targets = [(owner, function_name) for owner, (_, _, function_name) in zip(owners, PATCHED_FUNCTIONS)
+               if function_name != "roll_tensor" or "packed_seq_params" in _parameters(megatron["roll_tensor"])]
     return megatron, targets
 
 
@@ -182,17 +205,17 @@ def _probe(megatron):
                            f"{sorted(checkpointed)} has neither known form")
     return {
         "block_takes_padding_mask": "padding_mask" in _parameters(megatron["MultiTokenPredictionBlock"].forward),
-        "roll_takes_packed_seq_params": "packed_seq_params" in _parameters(megatron["roll_tensor"]),
         "scales_logits": hasattr(megatron["GPTModel"], "_scale_logits"),  # 0.17+ (MuP)
         "checkpoint_function_first": function_first,
     }
 
 
-def _make_postprocess(original, megatron, probes, options):
-    """`GPTModel._postprocess` with the MTP behaviour above; inference paths go to `original`."""
+def _make_postprocess(original, megatron, probes, options, packed_roll):
+    """`GPTModel._postprocess` with the MTP behaviour above; inference paths go to `original`.
+    `packed_roll`: the replacement `roll_tensor` (0.16+), or None where megatron's has no packed path."""
     decouple = options["decouple"]
     inference_mode = megatron["InferenceMode"]
-    process_mtp_loss = _make_process_mtp_loss(megatron, probes)
+    process_mtp_loss = _make_process_mtp_loss(megatron, packed_roll)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, **kwargs):
         """hidden_states [s, b, h] from the decoder -> per-token loss [b, s] with labels, else logits [b, s, V]."""
@@ -286,7 +309,7 @@ def _detached(embedding):
     return detached_embedding
 
 
-def _make_process_mtp_loss(megatron, probes):
+def _make_process_mtp_loss(megatron, packed_roll):
     """The MTP loss, one implementation for every release (0.17+'s `process_mtp_loss` shape).
 
     Differs from upstream (inline up to 0.16, `process_mtp_loss` from 0.17) in the token
@@ -296,11 +319,10 @@ def _make_process_mtp_loss(megatron, probes):
     a batch without loss tokens). With `calculate_per_token_loss` it normalises per rolled
     token and rescales by the unrolled count, as 0.17+ do.
     """
-    roll_tensor = megatron["roll_tensor"]
+    roll_tensor = packed_roll if packed_roll is not None else megatron["roll_tensor"]
     autoscaler = megatron["MTPLossAutoScaler"]
     logging_helper = megatron["MTPLossLoggingHelper"]
     parallel_state = megatron["parallel_state"]
-    roll_takes_packed_seq_params = probes["roll_takes_packed_seq_params"]
     logs_to_tracker = hasattr(logging_helper, "save_loss_to_tracker")
 
     def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output,
@@ -312,23 +334,30 @@ def _make_process_mtp_loss(megatron, probes):
         hidden_states_list = torch.chunk(hidden_states, 1 + num_layers, dim=0)
         hidden_states = hidden_states_list[0]
         roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": cp_group}
-        if roll_takes_packed_seq_params:
+        if packed_roll is not None:
             roll_kwargs["packed_seq_params"] = packed_seq_params
-        mtp_labels = labels.clone()
         if loss_mask is None:
-            loss_mask = torch.ones_like(mtp_labels)
-        original_num_tokens = _sum_over(loss_mask.sum(), cp_group)
+            loss_mask = torch.ones_like(labels)
+        # Depth k predicts labels rolled k times, under the mask rolled k times. All depths'
+        # token counts (and the unrolled one) cross the CP group in one all-reduce: one
+        # synchronisation of the ranks per forward, not one per depth and another before.
+        depth_labels, depth_masks, counts = [], [], [loss_mask.sum()]
+        for _ in range(num_layers):
+            labels, _ = roll_tensor(labels, **roll_kwargs)
+            loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
+            depth_labels.append(labels)
+            depth_masks.append(loss_mask)
+            counts.append(num_tokens)
+        original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
         for depth in range(num_layers):
             mtp_logits, _ = output_layer(hidden_states_list[depth + 1], weight=output_weight,
                                          runtime_gather_output=runtime_gather_output)
-            mtp_labels, _ = roll_tensor(mtp_labels, **roll_kwargs)
             if scale_logits is not None:
                 mtp_logits = scale_logits(mtp_logits)
-            loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
-            num_tokens = _sum_over(num_tokens, cp_group).clamp(min=1)
-            mtp_loss = loss_mask * compute_language_model_loss(mtp_labels, mtp_logits)
+            num_tokens = depth_num_tokens[depth].clamp(min=1)
+            mtp_loss = depth_masks[depth] * compute_language_model_loss(depth_labels[depth], mtp_logits)
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
             # 0.19 replaced this logger with one that also wants acceptance counts.
             if is_training and logs_to_tracker:
@@ -346,7 +375,7 @@ def _make_process_mtp_loss(megatron, probes):
 
 
 def _sum_over(count, group):
-    """A token count summed over `group` (a no-op outside torch.distributed or at size 1)."""
+    """Token counts (any shape) summed over `group` (a no-op outside torch.distributed or at size 1)."""
     if group is None or not torch.distributed.is_initialized() or group.size() == 1:
         return count
     count = count.clone()
@@ -390,3 +419,145 @@ def _make_checkpointed_forward(original, megatron, probes):
 
     _checkpointed_forward.__wrapped__ = original
     return _checkpointed_forward
+
+
+# ---------------------------------------------------------------------------------------
+# The packed MTP roll, vectorised
+# ---------------------------------------------------------------------------------------
+
+def _make_roll_tensor(original):
+    """megatron-core's `roll_tensor` (0.16+) with the packed path replaced by `roll_packed`.
+
+    megatron-core 0.16 - 0.19's packed roll (`_roll_tensor_packed_seq`) loops over the
+    sequences in Python and, under CP, exchanges each sequence's chunk boundaries with one
+    isend/irecv pair per sequence: four rolls per MTP depth (ids and positions in
+    `_get_embeddings`, labels and loss mask in the loss), each 128 waits per rank on a
+    batch of 64 sequences at CP 2. `roll_packed` gives the same values with one all-gather.
+    Everything else goes to `original` as it came: padded batches (no packed_seq_params),
+    None (0.19 returns (None, None)), another shift or dimension (megatron asserts), and
+    a tensor that requires grad, which no megatron caller passes (they roll ids, positions,
+    labels and masks): the all-gather would cut its gradient.
+    """
+    def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+        """tensor [..., s] -> (rolled [..., s] in tensor's dtype, rolled.sum())."""
+        if packed_seq_params is None or tensor is None or shifts != -1 or dims not in (-1, tensor.dim() - 1):
+            return original(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        if tensor.requires_grad:
+            warnings.warn(f"mtp_patch: roll_tensor got a {tensor.dtype} tensor that requires grad; rolling it "
+                          "with megatron-core's per-sequence packed roll (the vectorised one carries no gradient)")
+            return original(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        rolled = roll_packed(tensor, packed_seq_params, cp_group)
+        return rolled, rolled.sum()
+
+    roll_tensor.__wrapped__ = original
+    return roll_tensor
+
+
+def roll_packed(tensor, packed_seq_params, cp_group=None):
+    """Megatron's packed MTP roll, vectorised: every slot takes the value at the next position
+    of its own padded sequence, the last position of each sequence takes 0.
+
+    tensor: [..., T_local] (int64 ids, positions or labels; fp32 loss masks; any dtype the
+      group can all-gather), not requiring grad: this CP rank's slots, the sequences
+      concatenated, each sequence's share its chunks r and 2*cp-1-r at CP > 1 (zigzag THD).
+    packed_seq_params: megatron-core's PackedSeqParams; `cu_seqlens_q` [B + 1] int holds the
+      padded boundaries of the whole batch (global: divided by cp, the local ones), each a
+      multiple of 2*cp at CP > 1. Slots past the last boundary keep their value.
+    cp_group: the context-parallel process group; None means CP 1.
+    Returns [..., T_local] in tensor's dtype, equal to megatron-core's `_roll_tensor_packed_seq`.
+    Under CP it all-gathers `tensor` over cp_group (one collective). The index map is computed
+    once per batch and layout and kept on `packed_seq_params`, so the rolls of one forward
+    share it.
+    """
+    if tensor.requires_grad:
+        raise ValueError(f"roll_packed got a {tensor.dtype} tensor of shape {tuple(tensor.shape)} that requires "
+                         "grad: its all-gather carries no gradient (megatron rolls ids, positions, labels, masks)")
+    cp_size = 1 if cp_group is None else cp_group.size()
+    cp_rank = 0 if cp_size == 1 else torch.distributed.get_rank(group=cp_group)
+    local_tokens = tensor.shape[-1]
+    source = _roll_source(packed_seq_params, cp_size, cp_rank, local_tokens, tensor.device)
+    rows = tensor.reshape(-1, local_tokens)
+    if cp_size > 1:
+        gathered = rows.new_empty((cp_size * rows.shape[0], local_tokens))
+        torch.distributed.all_gather_into_tensor(gathered, rows.contiguous(), group=cp_group)
+        # [cp, rows, T_local] -> [rows, cp * T_local]: each row's slots of every rank, in rank order.
+        rows = gathered.view(cp_size, -1, local_tokens).transpose(0, 1).reshape(rows.shape[0], -1)
+    with_fill = torch.cat([rows, rows.new_full((rows.shape[0], 1), ROLL_FILL_VALUE)], dim=1)
+    return with_fill.index_select(1, source).view(tensor.shape)
+
+
+def _roll_source(packed_seq_params, cp_size, cp_rank, local_tokens, device):
+    """`_roll_source_index` for this batch and layout, computed on first use and kept on
+    `packed_seq_params` (which a forward hands to every roll)."""
+    cu_seqlens = packed_seq_params.cu_seqlens_q
+    layout = (cp_size, cp_rank, local_tokens, device)
+    cached = getattr(packed_seq_params, ROLL_SOURCE_ATTRIBUTE, None)
+    if cached is not None and cached[0] is cu_seqlens and cached[1] == layout:
+        return cached[2]
+    source = _roll_source_index(cu_seqlens, cp_size, cp_rank, local_tokens, device)
+    setattr(packed_seq_params, ROLL_SOURCE_ATTRIBUTE, (cu_seqlens, layout, source))
+    return source
+
+
+def _roll_source_index(cu_seqlens, cp_size, cp_rank, local_tokens, device):
+    """[T_local] int64: for each local slot, the column its rolled value comes from in
+    [every rank's T_local slots, in rank order; one fill value] ([cp * T_local + 1]).
+
+    A slot at padded position p of its sequence reads position p + 1 wherever it is held:
+    in the zigzag layout position q lies in chunk q // chunk, on rank c for chunk c < cp
+    (its front half) and on rank 2*cp-1-c otherwise (its back half). The last position
+    reads the fill value; a slot past the last boundary reads itself.
+    """
+    cu_seqlens = _checked_boundaries(cu_seqlens, cp_size, local_tokens).to(device)
+    bounds = cu_seqlens // cp_size  # megatron's: the global boundaries divided by cp
+    num_sequences = len(bounds) - 1
+    slot = torch.arange(local_tokens, device=device)
+    sequence = torch.searchsorted(bounds[1:], slot, right=True)  # empty sequences hold no slot
+    inside = sequence < num_sequences
+    sequence = sequence.clamp(max=max(num_sequences - 1, 0))
+    start = bounds[sequence]
+    local_length = bounds[sequence + 1] - start
+    offset = slot - start
+    if cp_size == 1:
+        next_rank, next_offset = 0, offset + 1
+        is_last = next_offset == local_length
+    else:
+        # clamp: a slot outside every sequence may see an empty one (its result is discarded).
+        chunk = (local_length // CHUNKS_PER_RANK).clamp(min=1)
+        last_chunk = CHUNKS_PER_RANK * cp_size - 1
+        in_front = offset < chunk
+        position = torch.where(in_front, cp_rank * chunk + offset, (last_chunk - cp_rank) * chunk + offset - chunk)
+        next_position = position + 1
+        is_last = next_position == (last_chunk + 1) * chunk
+        next_chunk, within_chunk = next_position // chunk, next_position % chunk
+        next_in_front = next_chunk < cp_size
+        next_rank = torch.where(next_in_front, next_chunk, last_chunk - next_chunk)
+        next_offset = torch.where(next_in_front, within_chunk, chunk + within_chunk)
+    source = torch.where(is_last, cp_size * local_tokens, next_rank * local_tokens + start + next_offset)
+    return torch.where(inside, source, cp_rank * local_tokens + slot)
+
+
+def _checked_boundaries(cu_seqlens, cp_size, local_tokens):
+    """cu_seqlens as int64, after checking it fits the layout (one device-to-host sync)."""
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or len(cu_seqlens) == 0 or (
+            cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool):
+        described = f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if torch.is_tensor(cu_seqlens) \
+            else type(cu_seqlens).__name__
+        raise ValueError(f"packed_seq_params.cu_seqlens_q must be a 1-D integer tensor [B + 1], got {described}")
+    cu_seqlens = cu_seqlens.long()
+    multiple = CHUNKS_PER_RANK * cp_size if cp_size > 1 else 1
+    misaligned, decreasing, total = torch.stack([
+        (cu_seqlens % multiple != 0).any(), (cu_seqlens.diff() < 0).any(), cu_seqlens[-1]]).tolist()
+    if misaligned:
+        index = int(torch.nonzero(cu_seqlens % multiple != 0)[0])
+        raise ValueError(f"packed_seq_params.cu_seqlens_q[{index}] = {int(cu_seqlens[index])} is not a multiple of "
+                         f"2*cp = {multiple}: under context parallelism each sequence is padded to a multiple of "
+                         "2*cp and cut into 2*cp chunks")
+    if decreasing:
+        index = int(torch.nonzero(cu_seqlens.diff() < 0)[0])
+        raise ValueError(f"packed_seq_params.cu_seqlens_q decreases at {index + 1}: "
+                         f"{int(cu_seqlens[index])} -> {int(cu_seqlens[index + 1])}")
+    if total > cp_size * local_tokens:
+        raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {total}, past the {cp_size * local_tokens} slots "
+                         f"of the batch (cp {cp_size} x {local_tokens} local)")
+    return cu_seqlens

@@ -508,6 +508,8 @@ def test_mtp_patch_is_idempotent_exact_and_all_or_nothing(mtp_release_results, r
     result = _measured(mtp_release_results, release)
     contract = result["patched"]["contract"]
     assert not mtp_matrix.behaviour_failures("contract", contract), contract
+    # roll_tensor too where megatron has a packed roll (0.16+).
+    assert contract["patch"] == (2 if release in ("0.14.0", "0.15.3") else 3)
     assert release in contract["missing_piece_error"] and "_checkpointed_forward" in contract["missing_piece_error"]
     assert "decouple" in contract["other_options_error"]
 
@@ -530,6 +532,114 @@ def test_mtp_patch_refuses_without_megatron_and_rejects_bad_options(monkeypatch)
     with pytest.raises(RuntimeError, match=f"megatron-core {installed} cannot be imported"):
         mtp_patch.patch_megatron_mtp()
     assert mtp_patch.unpatch_megatron_mtp() == 0
+
+
+# The vectorised packed roll against megatron-core's own (`_roll_tensor_packed_seq`: a loop
+# over sequences, under CP one exchange per sequence): real lengths 1 to 13, several shorter
+# than 2 * cp (one slot per chunk once padded), laid out by cp_thd on every rank.
+ROLL_SEQLENS = [1, 2, 3, 7, 8, 1, 13, 4]
+
+
+def _roll_inputs(cp_size, cp_rank):
+    """(ThdBatch, [int64 ids [1, T_local], fp32 0/1 masks [2, T_local]]) of this rank."""
+    generator = torch.Generator().manual_seed(0)
+    total = sum(ROLL_SEQLENS)
+    batch = cp_thd.pack_thd(torch.randint(1, 1000, (total,), generator=generator), ROLL_SEQLENS,
+                            cp_size=cp_size, cp_rank=cp_rank)
+    masks = batch.pack((torch.rand(total, 2, generator=generator) > 0.3).float()).T.contiguous()
+    return batch, [batch.input_ids.view(1, -1), masks]
+
+
+def _roll_with_index_map(index_map, tensor, batch, group):
+    """roll_packed with `index_map` in place of mtp_patch's (a fresh PackedSeqParams: no cached map)."""
+    original = mtp_patch._roll_source_index
+    mtp_patch._roll_source_index = index_map
+    try:
+        return mtp_patch.roll_packed(tensor, dataclasses.replace(batch.packed_seq_params), group).tolist()
+    finally:
+        mtp_patch._roll_source_index = original
+
+
+def _roll_against_megatron():
+    """Each rank (CP = the world size): the installed roll and megatron's on the same
+    tensors, how often the index map was built and how many all-gathers ran, the same roll
+    with deliberately wrong maps, and what the installed roll leaves to megatron."""
+    import torch.distributed as dist
+    from megatron.core.transformer import multi_token_prediction
+    rank, cp_size, _ = cpu_backend.init_distributed()
+    group = dist.group.WORLD
+    batch, tensors = _roll_inputs(cp_size, rank)
+    upstream = multi_token_prediction.roll_tensor
+    index_map = mtp_patch._roll_source_index
+    maps_built, gathers = [], []
+    all_gather_into_tensor = dist.all_gather_into_tensor
+    mtp_patch._roll_source_index = lambda *args: maps_built.append(1) or index_map(*args)
+    dist.all_gather_into_tensor = lambda *args, **kwargs: gathers.append(1) or all_gather_into_tensor(*args, **kwargs)
+    try:
+        patched_count = mtp_patch.patch_megatron_mtp()
+        installed = multi_token_prediction.roll_tensor
+        ours = [installed(tensor, shifts=-1, dims=-1, cp_group=group, packed_seq_params=batch.packed_seq_params)
+                for tensor in tensors]
+    finally:
+        mtp_patch._roll_source_index = index_map
+        dist.all_gather_into_tensor = all_gather_into_tensor
+    megatron = [multi_token_prediction._roll_tensor_packed_seq(tensor, -1, -1, batch.packed_seq_params, group)
+                for tensor in tensors]
+    ids = tensors[0]
+    naive = torch.roll(ids, -1, -1)
+    naive[..., -1] = 0
+    wrong = {
+        "naive torch.roll": naive.tolist(),
+        "one slot further": _roll_with_index_map(
+            lambda *args: (index_map(*args) + 1).clamp(max=cp_size * ids.shape[-1]), ids, batch, group),
+    }
+    if cp_size > 1:
+        wrong["another rank's map"] = _roll_with_index_map(
+            lambda cu, size, rank, tokens, device: index_map(cu, size, (rank + 1) % size, tokens, device),
+            ids, batch, group)
+    refusals = {}
+    with pytest.raises(ValueError) as refused:
+        mtp_patch.roll_packed(tensors[1].clone().requires_grad_(), batch.packed_seq_params, group)
+    refusals["grad"] = str(refused.value)
+    if cp_size > 1:
+        real_boundaries = torch.nn.functional.pad(batch.seqlens.cumsum(0), (1, 0)).to(torch.int32)
+        with pytest.raises(ValueError) as refused:
+            mtp_patch.roll_packed(ids, dataclasses.replace(batch.packed_seq_params, cu_seqlens_q=real_boundaries),
+                                  group)
+        refusals["misaligned"] = str(refused.value)
+    with pytest.warns(UserWarning, match="requires grad"):
+        with_grad, _ = installed(tensors[1].clone().requires_grad_(), cp_group=group,
+                                 packed_seq_params=batch.packed_seq_params)
+    return {
+        "patched_count": patched_count,
+        "ours": [(rolled.tolist(), rolled.dtype, total.item()) for rolled, total in ours],
+        "megatron": [(rolled.tolist(), rolled.dtype, total.item()) for rolled, total in megatron],
+        "inputs": [(tensor.tolist(), tensor.dtype) for tensor in tensors],
+        "maps_built": len(maps_built), "gathers": len(gathers), "wrong": wrong, "refusals": refusals,
+        "padded_batch_to_megatron": torch.equal(installed(ids, cp_group=group)[0], upstream(ids, cp_group=group)[0]),
+        "grad_to_megatron": with_grad.tolist() == megatron[1][0].tolist() and with_grad.requires_grad,
+        "unpatched": (mtp_patch.unpatch_megatron_mtp(), multi_token_prediction.roll_tensor is upstream),
+    }
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_mtp_packed_roll_equals_megatrons_on_every_rank_and_catches_a_wrong_map(cp_size):
+    for rank, result in enumerate(run_in_processes(_roll_against_megatron, world_size=cp_size)):
+        assert result["patched_count"] == 3
+        assert result["ours"] == result["megatron"], rank  # values, dtypes (int64, fp32) and sums, exactly
+        assert [dtype for _, dtype, _ in result["ours"]] == [dtype for _, dtype in result["inputs"]]
+        # The roll moves values: not the identity.
+        assert all(rolled != tensor for (rolled, _, _), (tensor, _) in zip(result["ours"], result["inputs"]))
+        for name, rolled in result["wrong"].items():
+            assert rolled != result["megatron"][0][0], f"rank {rank}: {name} agrees with megatron's roll"
+        # Two rolls of one batch: one index map, and one all-gather each under CP (no per-sequence exchange).
+        assert result["maps_built"] == 1
+        assert result["gathers"] == (2 if cp_size > 1 else 0)
+        assert "requires grad" in result["refusals"]["grad"]
+        if cp_size > 1:
+            assert f"is not a multiple of 2*cp = {2 * cp_size}" in result["refusals"]["misaligned"]
+        assert result["padded_batch_to_megatron"] and result["grad_to_megatron"]
+        assert result["unpatched"] == (3, True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1598,6 +1708,29 @@ def test_packed_attention_work_is_per_sequence_not_per_pack():
             assert scores < dense / 20, (cp_size, rank)
             assert all(bucket.mask is None or bucket.mask.shape == (bucket.units, 1, bucket.queries, bucket.keys)
                        for bucket in plan.buckets)
+
+
+def _gather_keys_over_gloo():
+    """The key/value all-gather and its reduce-scatter gradient, as pairwise exchanges."""
+    import torch.distributed as dist
+    import cp_attention
+    rank, world_size, _ = cpu_backend.init_distributed()
+    shards = [torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    local = shards[rank].clone().requires_grad_()
+    gathered = cp_attention._AllGatherSequence.apply(local, dist.group.WORLD)
+    # Each rank weighs the gathered rows its own way: the gradient of a shard sums every rank's weights.
+    weights = [torch.randn(5 * world_size, 2, 3, generator=torch.Generator().manual_seed(100 + r))
+               for r in range(world_size)]
+    (gathered * weights[rank]).sum().backward()
+    expected_grad = weights[0].chunk(world_size)[rank].clone()
+    for other in weights[1:]:
+        expected_grad += other.chunk(world_size)[rank]
+    return torch.equal(gathered.detach(), torch.cat(shards)), torch.equal(local.grad, expected_grad)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_packed_attention_key_gather_and_its_gradient_are_exact_over_gloo(cp_size):
+    assert run_in_processes(_gather_keys_over_gloo, world_size=cp_size) == [(True, True)] * cp_size
 
 
 # ---------------------------------------------------------------------------------------
