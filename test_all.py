@@ -1093,8 +1093,8 @@ def test_megatron_names_and_layouts_map_to_hf():
         "copy", ("model.mtp_layers.0.final_layernorm.weight",))
     with pytest.raises(ValueError, match="'decoder.layers.0.self_attention.q_layernorm.weight' has no Hugging Face"):
         weight_sync.hf_names_for("decoder.layers.0.self_attention.q_layernorm.weight")
-    with pytest.raises(ValueError, match="layers='draft'"):
-        next(weight_sync.megatron_to_hf(torch.nn.Linear(1, 1), layers="draft"))
+    with pytest.raises(ValueError, match="layers='drafter'"):
+        next(weight_sync.megatron_to_hf(torch.nn.Linear(1, 1), layers="drafter"))
 
     # eh_proj(cat(embedding, hidden)) == input_proj(cat(hidden, embedding)) with the halves swapped.
     generator = torch.Generator().manual_seed(0)
@@ -2450,7 +2450,7 @@ def _rollout_prompt_ids(checkpoint, data):
     args.mtp_rollout = True  # what main sets for a model with MTP layers
     examples = train_grpo.load_examples(data) + [{"prompt": "repeat:e", "answer": "eee"}]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    llm = train_grpo.build_engine(checkpoint, args, rank, "float32")
+    llm = train_grpo.build_engine(checkpoint, args, rank, "float32", drafting=True)
     params = train_grpo.sampling_params(args, args.group_size, args.temperature)
     samples, outputs = train_grpo.rollout(llm, tokenizer, examples, params, args, rank)
     train_grpo.score(samples, tokenizer, None, args)  # the advantages pack_micro_batch lays out
@@ -2502,7 +2502,8 @@ def test_train_grpo_tensorboard_holds_every_number_of_metrics_jsonl(verl_parquet
     numbers = {key for record in records for key, value in record.items()
                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
     assert set(events.Tags()["scalars"]) == numbers
-    assert {"reward_mean", "total_loss", "grad_norm", "acceptance_rate", "probe_logprob", "train_s"} <= numbers
+    assert {"reward_mean", "total_loss", "grad_norm", "draft_tokens", "predicted_speedup", "probe_logprob",
+            "train_s", "tune_s"} <= numbers
     for key in numbers:
         # TensorBoard keeps scalars in fp32.
         assert [(e.step, e.value) for e in events.Scalars(key)] == [
