@@ -2096,6 +2096,19 @@ def test_train_grpo_rejects_a_bad_flag_before_the_process_group(kind, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_train_grpo_help_lists_every_flag_with_its_help(capsys):
+    # A '%' in a help string that argparse does not expect breaks --help for every flag.
+    with pytest.raises(SystemExit) as exited:
+        train_grpo.parse_args(["--help"])
+    assert exited.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    parser_flags = re.findall(r"p\.add_argument\(\"(--[a-z-]+)\"", open(os.path.join(REPO_DIR, "train_grpo.py")).read())
+    assert len(parser_flags) > 40
+    for flag in parser_flags:
+        assert flag in printed, flag
+    assert "a fixed 10% of it" in printed
+
+
 def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_non_zero(tmp_path):
     flags, expected = BAD_FLAGS["range"]
     started = time.perf_counter()

@@ -144,7 +144,7 @@ def parse_args(argv=None):
                         + " or ".join(DEFAULT_ANSWER_KEYS))
     p.add_argument("--eval-data", default=None,
                    help="held-out examples in --data's formats and keys; default: the built-in task's held-out "
-                        f"letters, or with --data a fixed {EVAL_HOLDOUT_FRACTION:.0%} of it (at most "
+                        f"prompts, or with --data a fixed {EVAL_HOLDOUT_FRACTION:.0%}% of it (at most "
                         f"{EVAL_HOLDOUT_MAX}) that training never samples")
     p.add_argument("--eval-every", type=int, default=25,
                    help="greedy accuracy and mean reward on the held-out set every N steps (and after the last)")
