@@ -600,17 +600,23 @@ SPEC_HEATMAP = os.path.join(REPO_DIR, "spec_rollout_cpu.png")
 SPEC_PROCESS_TIMEOUT_SECONDS = 3600
 
 
+def train_grpo_run(out, flags):
+    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
+    returns its metrics.jsonl records."""
+    if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
+        print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+                        "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 def spec_checkpoint(checkpoint):
     """`checkpoint`, or the cached final policy of SPEC_TRAIN_FLAGS' run (trained when missing)."""
     if checkpoint is not None:
         return checkpoint
-    final = os.path.join(SPEC_RUN_DIR, "final")
-    if not os.path.exists(os.path.join(final, "model.safetensors")):
-        print(f"spec_rollout: training {final} (train_grpo.py {' '.join(SPEC_TRAIN_FLAGS)}, a few minutes)",
-              file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
-                        "--out", SPEC_RUN_DIR, "--resume", "never", *SPEC_TRAIN_FLAGS], cwd=REPO_DIR, check=True)
-    return final
+    train_grpo_run(SPEC_RUN_DIR, SPEC_TRAIN_FLAGS)
+    return os.path.join(SPEC_RUN_DIR, "final")
 
 
 def measure_spec_rollout(checkpoint, threads):
@@ -734,17 +740,6 @@ DRAFT_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-draft-training")
 DRAFT_LAST_FRACTION = 0.2
 DRAFT_REWARD_TARGET = 0.9
 DRAFT_PLOT = os.path.join(REPO_DIR, "draft_training_cpu.png")
-
-
-def train_grpo_run(out, flags):
-    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
-    returns its metrics.jsonl records."""
-    if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
-        print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
-                        "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def plot_draft_training(runs, path):

@@ -38,6 +38,7 @@ OUT/tensorboard, curves.png and acceptance_vs_entropy.png at the end.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -242,13 +243,12 @@ AT_LEAST = {"steps": (1, True), "tp": (1, True), "cp": (1, True), "rollout_tp": 
             "prompts_per_step": (1, True), "group_size": (2, True), "max_new_tokens": (1, True),
             "micro_batches": (1, True), "mini_batches": (1, True), "ppo_epochs": (1, True),
             "eval_every": (1, True), "max_speculative_tokens": (1, True), "tune_every": (1, True),
-            "acceptance_check_every": (1, True),
-            "check_draft_every": (0, True), "save_every": (1, True),
+            "acceptance_check_every": (1, True), "check_draft_every": (0, True), "save_every": (1, True),
             "keep_checkpoints": (1, True),
             "kv_cache_bytes": (1, True), "temperature": (0, False), "lr": (0, False), "grad_clip": (0, False),
             "gpu_memory_utilization": (0, False), "clip_low": (0, True), "clip_high": (0, True),
-            "dual_clip": (1, False), "tis_cap": (0, True), "count_step": (1, True), "kl_coef": (0, True), "entropy_coef": (0, True),
-            "mtp_loss_scale": (0, True)}
+            "dual_clip": (1, False), "tis_cap": (0, True), "count_step": (1, True), "kl_coef": (0, True),
+            "entropy_coef": (0, True), "mtp_loss_scale": (0, True)}
 AT_MOST = {"clip_low": (1, False), "gpu_memory_utilization": (1, True), "count_step": (9, True)}
 WHY = {"temperature": " (greedy decoding would give every completion of a group the same answer)",
        "group_size": " (GRPO baselines each completion against the others of its prompt)",
@@ -329,8 +329,11 @@ def builtin_model(args):
 
 def model_problems(args):
     """Flags that must fit the model's config.json (the built-in model's config without --model)."""
-    hf_config = builtin_model(args)[1] if args.model is None else load_hf_config(args.model)
-    where = args.model or f"the built-in {builtin_model(args)[0]} model"
+    if args.model is None:
+        name, hf_config = builtin_model(args)
+        where = f"the built-in {name} model"
+    else:
+        hf_config, where = load_hf_config(args.model), args.model
     problems = []
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
@@ -461,8 +464,10 @@ def token_credits(response_ids, answer_ids):
     return [float(k < len(answer_ids) and token == answer_ids[k]) for k, token in enumerate(response_ids)]
 
 
+@functools.lru_cache(maxsize=None)
 def digit_successors(tokenizer, count_step):
-    """{token id of digit d: token id of digit d + count_step mod 10}, each digit a single token."""
+    """{token id of digit d: token id of digit d + count_step mod 10}, each digit a single token.
+    Cached: the same for every completion of a run (a tokenizer hashes by identity)."""
     ids = [tokenizer.encode(digit, add_special_tokens=False) for digit in DIGITS]
     if any(len(digit_ids) != 1 for digit_ids in ids):
         raise usage_error(f"--task count needs each digit to be one token; {tokenizer.name_or_path}'s tokenizer "
@@ -532,7 +537,8 @@ def credits_of(sample, tokenizer, reward_function, args):
         if args.data is not None:
             return [reward(response, example["answer"])]
         if args.task == "count":
-            return count_credits(sample["prompt_ids"][-1], sample["response_ids"], digit_successors(tokenizer, args.count_step))
+            return count_credits(sample["prompt_ids"][-1], sample["response_ids"],
+                                 digit_successors(tokenizer, args.count_step))
         return token_credits(sample["response_ids"], tokenizer.encode(example["answer"], add_special_tokens=False))
     where = f"--reward {args.reward} on prompt {example['prompt'][:80]!r}, response {response[:80]!r}"
     try:
