@@ -593,7 +593,8 @@ SPEC_CONCURRENCIES = (1, 8, 64, 256)
 SPEC_MAX_DRAFT_TOKENS = 3
 SPEC_NEW_TOKENS = 64
 SPEC_TEMPERATURE = 1.0
-SPEC_REPEATS = 5
+SPEC_REPEATS = 9
+SPEC_SEED_STRIDE = 1_000_003
 # Room for 256 sequences of 70 tokens in each of the five engines' KV caches.
 SPEC_KV_CACHE_BYTES = 2**28
 SPEC_HEATMAP = os.path.join(REPO_DIR, "spec_rollout_cpu.png")
@@ -623,9 +624,10 @@ def measure_spec_rollout(checkpoint, threads):
     """Runs in a spawned process: per concurrency B, tokens/s of the same rollout (the
     count task's training prompts, temperature 1, SPEC_NEW_TOKENS tokens, no EOS) with
     k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (a plain and a
-    dynamic drafting engine, k chosen by spec_config.DraftTuner from train_grpo's tune
-    timing), each the median of SPEC_REPEATS interleaved runs; the k = 3 engine's
-    acceptance per depth; auto's choice, prediction and tuning seconds."""
+    dynamic drafting engine, k chosen by spec_config.DraftTuner as train_grpo's tune and
+    rollout phases choose it: an acceptance check, then these rollouts at each k that could
+    pay, in turns), each the median of SPEC_REPEATS interleaved runs; the k = 3 engine's
+    acceptance per depth; auto's tries, choice and seconds to choose."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     torch.set_num_threads(threads)
@@ -644,16 +646,38 @@ def measure_spec_rollout(checkpoint, threads):
     meters = {k: spec_config.SpecDecodeMeter(engine) for k, engine in fixed.items() if k}
     dynamic_meter = spec_config.SpecDecodeMeter(dynamic)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=SPEC_NEW_TOKENS, ignore_eos=True)
-    tune_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=train_grpo.TUNE_TOKENS, ignore_eos=True)
+
+    def seeded_params(count, rollout):
+        # One seed per (rollout, sequence): every engine's rollout number r draws the same
+        # random numbers, so two engines at the same k sample the same tokens and accept the
+        # same drafts. A sampled digit off the count makes the drafts after it miss: at 8
+        # sequences one such rollout in four ran 25-50% slower, unseeded.
+        return [SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=SPEC_NEW_TOKENS, ignore_eos=True,
+                               seed=rollout * SPEC_SEED_STRIDE + sequence) for sequence in range(count)]
+
+    check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=train_grpo.ACCEPTANCE_CHECK_TOKENS,
+                                  ignore_eos=True)
     training_prompts = train_grpo.TASKS["count"]["train"]
-    results = {}
+    results, started = {}, time.perf_counter()
     for concurrency in SPEC_CONCURRENCIES:
         prompts = [{"prompt_token_ids": tokenizer.encode(f"count:{training_prompts[i % len(training_prompts)]}")}
                    for i in range(concurrency)]
-        tuner = spec_config.DraftTuner(SPEC_MAX_DRAFT_TOKENS, SPEC_NEW_TOKENS)
+        # auto as train_grpo runs it: an acceptance check at the deepest k, then rollouts at
+        # the k the tuner names until it settles. As in training, the plain engine has rolled
+        # out at this concurrency before (its first rollout is slower).
+        rollout_tokens_per_second(fixed[0], prompts, seeded_params(concurrency, 0))
+        tuner = spec_config.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
         start = time.perf_counter()
-        tuner.calibrate(*spec_config.time_draft_steps(fixed[0], dynamic, dynamic_meter, prompts, tune_params))
+        spec_config.set_draft_tokens(dynamic, SPEC_MAX_DRAFT_TOKENS)
+        tuner.observe(dynamic_meter.read(dynamic.generate(prompts, check_params, use_tqdm=False)))
+        tuner.try_each()
+        tried = []
+        while tuner.exploring():
+            tried.append(tuner.choose())
+            if tried[-1]:
+                spec_config.set_draft_tokens(dynamic, tried[-1])
+            params = seeded_params(concurrency, SPEC_REPEATS + len(tried))
+            tuner.record(tried[-1], rollout_tokens_per_second(dynamic if tried[-1] else fixed[0], prompts, params)[0])
         auto = tuner.choose()
         tune_seconds = time.perf_counter() - start
         if auto:
@@ -661,19 +685,28 @@ def measure_spec_rollout(checkpoint, threads):
         runs = dict(fixed, auto=dynamic if auto else fixed[0])
         speeds = {name: [] for name in runs}
         for repeat in range(SPEC_REPEATS + 1):  # the first round warms up
+            params = seeded_params(concurrency, repeat)
             for name, engine in runs.items():
-                start = time.perf_counter()
-                outputs = engine.generate(prompts, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
+                speed, outputs = rollout_tokens_per_second(engine, prompts, params)
                 counts = meters[name].read(outputs) if name in meters else None
                 if repeat:
-                    speeds[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+                    speeds[name].append(speed)
                 if repeat and name == SPEC_MAX_DRAFT_TOKENS:
                     by_depth = spec_config.acceptance_by_depth(counts)
         results[concurrency] = {"tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
                                 "acceptance_by_depth": by_depth, "auto": auto,
-                                "auto_predicted": tuner.predicted_speeds()[auto], "tune_s": tune_seconds}
+                                "auto_tried": tried, "auto_realized": tuner.realized_speeds(),
+                                "tune_s": tune_seconds}
+        print(f"spec_rollout: {concurrency} seqs measured, {time.perf_counter() - started:.0f} s so far", file=sys.stderr,
+              flush=True)
     return results
+
+
+def rollout_tokens_per_second(engine, prompts, params):
+    """(new tokens per second of one rollout of `prompts`, its RequestOutputs)."""
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start), outputs
 
 
 def plot_spec_heatmap(results, path):
@@ -713,8 +746,11 @@ def row_spec_rollout(checkpoint=None):
             "row": f"spec_rollout {concurrency} seqs", "ours_ms": None, "baseline_ms": None,
             "speedup": speeds[best] / speeds[0],
             "notes": ("tokens/s k=0..3: " + " / ".join(f"{speeds[k]:.0f}" for k in range(SPEC_MAX_DRAFT_TOKENS + 1))
-                      + f"; best k={best} {speeds[best] / speeds[0]:.2f}x no drafting; auto chose k={result['auto']} "
-                      f"(predicted {result['auto_predicted']:.2f}x, tuned in {result['tune_s']:.1f} s): "
+                      + f"; best k={best} {speeds[best] / speeds[0]:.2f}x no drafting; auto: "
+                      + f"tried k={','.join(map(str, result['auto_tried'])) or '-'} (fastest "
+                      + ("/".join("-" if speed is None else f"{speed:.2f}" for speed in result["auto_realized"])
+                         if result["auto_realized"] else "-")
+                      + f"x), chose k={result['auto']} in {result['tune_s']:.1f} s: "
                       f"{speeds['auto']:.0f} tok/s, {speeds['auto'] / speeds[best_fixed]:.2f}x the best fixed k, "
                       f"{speeds['auto'] / speeds[0]:.2f}x no drafting; acceptance by depth (k=3) "
                       + "/".join(f"{a:.2f}" for a in result["acceptance_by_depth"]))})
@@ -732,8 +768,10 @@ def row_spec_rollout(checkpoint=None):
 # allows. RL then teaches counting in ones, a move away from that head like the one an RL
 # run makes from its SFT model (from a fully learnt two-step policy, entropy 0.1, RL did
 # not find the one-step rule in 100 steps). The three runs start from the same checkpoint
-# and seed, at a concurrency where drafting pays (--prompts-per-step 8: 64 per engine).
-DRAFT_STAGE1_FLAGS = ("--task", "count", "--count-step", "2", "--steps", "45")
+# and seed, at a concurrency where drafting pays (--prompts-per-step 8: 64 per engine). The
+# initial policy rolls out without drafting (its head trains all the same), so it depends
+# on the seed alone: under auto its samples would depend on what the timings chose.
+DRAFT_STAGE1_FLAGS = ("--task", "count", "--count-step", "2", "--steps", "45", "--no-mtp-rollout")
 DRAFT_STAGE2_FLAGS = ("--task", "count", "--steps", "80", "--prompts-per-step", "8", "--num-speculative-tokens", "3")
 DRAFT_VARIANTS = {"online": (), "frozen": ("--no-mtp-train",), "none": ("--no-mtp-rollout",)}
 DRAFT_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-draft-training")

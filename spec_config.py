@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import re
-import time
 from collections.abc import Mapping
 
 import torch
@@ -308,22 +307,18 @@ def fix_cpu_draft_sampling():
 # Drafting pays when the target is deep next to its draft and the batch is small; at high
 # concurrency verifying drafts costs as much as it saves, and a draft the policy has moved
 # away from only costs. So the number of draft tokens k (0 = no drafting) is measured, not
-# assumed. A rollout of T new tokens per sequence with k drafts takes
-#
-#     a_k + (T - 1) / (1 + A_1 + ... + A_k) * c_k   seconds,
-#
-# A_i = P(the first i drafts of a verify step are accepted), a_k the seconds of the first
-# engine step (the prefill, and the draft's) and c_k of each later one (verify k drafts,
-# draft k more, emit what was accepted). a_k and c_k depend on the model's shapes, the
-# concurrency, the machine and, through the tokens each step emits, on the acceptance
-# itself: they are timed on the policy as it is, at the rollout's concurrency, now and then
-# and whenever the acceptance moved far. A short answer leaves drafting few steps to save
-# what its first step costs. A_i moves with the policy and its MTP head every step: it is
-# read from the engine's own acceptance counts after each drafting rollout (a draft the
-# policy leaves behind stops being used at the next rollout, not at the next timing) and,
-# while nothing drafts, from a small check at the deepest k every few steps. The choice
-# depends on timings, so two runs of one seed can choose differently; checkpoints carry
-# the tuner, so a resumed run continues with its state.
+# assumed, and measured on the rollouts themselves: a model of a rollout's seconds from
+# timed engine steps (a first step a_k, later ones c_k, each emitting 1 + A_1 + ... + A_k
+# tokens) predicted speeds 20-30% off on a shared 2-core VM, because a timing rollout of a
+# few hundred ms catches a burst of load whole, and drafts the sampled tokens happened to
+# miss. A rollout lasts seconds at the real length and concurrency, and a few of them
+# taking turns over k measure each to a few percent. A_i = P(the first i drafts of a
+# verify step are accepted) moves with the policy and its MTP head every step: it is read
+# from the engine's own acceptance counts after each drafting rollout and, while nothing
+# drafts, from a small check at the deepest k every few steps; a draft the policy leaves
+# behind stops being used at the next rollout, and once A_i moved far the k are tried
+# again. The choice depends on measured speeds, so two runs of one seed can choose
+# differently; checkpoints carry the tuner, so a resumed run continues with its state.
 
 # A drafting engine's k is switched between rollouts through vLLM's dynamic speculative
 # decoding schedule (batch size -> k, `num_speculative_tokens_per_batch_size`, vLLM >= 0.32):
@@ -371,109 +366,56 @@ def acceptance_by_depth(statistics):
     return [count / statistics["num_drafts"] for count in statistics["accepted_per_position"][:depth]]
 
 
-def time_draft_steps(plain, drafting, meter, prompts, params, warm_up=True, rounds=2):
-    """Time a rollout of `prompts` at each k: ([a_0, ..., a_max], [c_0, ..., c_max],
-    statistics): a_k the seconds of its first engine step (prefill, and at k >= 1 the
-    draft's), c_k the seconds of each later step, and the acceptance statistics of the last
-    rollout at the deepest k (`meter` reads `drafting`). k = 0 runs on `plain` (an engine
-    without a speculative_config), k = 1..max on `drafting` (built with
-    `dynamic_speculative_config`, left at k = max).
-
-    `params` must sample a fixed number of tokens (max_tokens > 1, ignore_eos). A step
-    after the first emits one token per sequence and verify step, so a sequence takes 1 +
-    its verify steps. Each k is timed twice per round, with one new token (a_k) and with
-    `params` (c_k from the difference), `rounds` rounds taking turns over k, the fastest of
-    each counting: a burst of load from elsewhere slows one round, not the choice. A step's cost
-    grows with the drafts it accepts (each emitted token is processed): time on the weights
-    the rollouts will use. `warm_up` runs each engine once untimed first.
-    """
-    if params.max_tokens < 2 or not params.ignore_eos:
-        raise ValueError(f"params: max_tokens={params.max_tokens}, ignore_eos={params.ignore_eos}; expected a fixed "
-                         "number of tokens, at least 2 (max_tokens >= 2 and ignore_eos=True)")
-    first_step = params.clone()
-    first_step.max_tokens = 1
-    max_tokens = _scheduler(drafting).num_spec_tokens
-    first_seconds, whole_seconds = [math.inf] * (max_tokens + 1), [math.inf] * (max_tokens + 1)
-    later_steps, statistics = [1.0] * (max_tokens + 1), None
-
-    def timed(engine, sampling):
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, sampling, use_tqdm=False) if prompts else []
-        return time.perf_counter() - start, outputs
-
-    if warm_up:
-        timed(plain, params)
-        timed(drafting, params)
-    for _ in range(rounds):
-        for draft_tokens in range(max_tokens + 1):
-            engine = drafting if draft_tokens else plain
-            if draft_tokens:
-                set_draft_tokens(engine, draft_tokens)
-            first, _ = timed(engine, first_step)
-            whole, outputs = timed(engine, params)
-            rollout_statistics = meter.read(outputs) if draft_tokens else None
-            sequences = max(1, sum(len(output.outputs) for output in outputs))
-            later_steps[draft_tokens] = max(1.0, rollout_statistics["num_drafts"] / sequences if rollout_statistics
-                                            else params.max_tokens - 1)
-            first_seconds[draft_tokens] = min(first_seconds[draft_tokens], first)
-            whole_seconds[draft_tokens] = min(whole_seconds[draft_tokens], whole)
-            if draft_tokens == max_tokens:
-                statistics = rollout_statistics
-    # Each the fastest of its rounds, then the difference: a slow first step in one round
-    # cannot make that round's later steps look fast. (Should noise make the whole rollout
-    # no longer than its first step, every step counts alike.)
-    step_seconds = [(whole - first) / steps if whole > first else whole / (steps + 1)
-                    for whole, first, steps in zip(whole_seconds, first_seconds, later_steps)]
-    return first_seconds, step_seconds, statistics
-
-
-# DraftTuner.hopeless: the best-case speed relative to no drafting below which nothing
-# more is measured between periodic timings.
-HOPELESS_SPEED = 0.8
+# DraftTuner: each k tried on this many rollouts (in turns), its fastest counting (one
+# rollout's speed differs from the next by about 5%, and a burst of load slows one of
+# them); and the least a drafted token costs, as a share of a target step (one MTP layer
+# next to a 16-layer target costs more): a k whose drafts add fewer tokens per step is not
+# tried.
+TRY_ROUNDS = 3
+MIN_DRAFT_COST = 0.05
 
 
 class DraftTuner:
-    """Chooses the number of draft tokens k in 0..max_tokens that makes rollouts fastest.
+    """Chooses the number of draft tokens k in 0..max_tokens whose rollouts run fastest.
 
-        tuner = DraftTuner(max_tokens=3, new_tokens=32)
-        tuner.calibrate(*time_draft_steps(plain, drafting, meter, prompts, params))
-        tuner.observe(meter.read(outputs))             # after each drafting rollout
-        k = tuner.choose()
-        if tuner.timing_is_stale(): ...                # acceptance moved: time again
+        tuner = DraftTuner(max_tokens=3)
+        tuner.observe(meter.read(outputs))       # after a drafting rollout or check
+        if due or tuner.is_stale(): tuner.try_each()
+        k = tuner.choose()                       # before each rollout
+        tuner.record(k, tokens / seconds)        # after it
 
-    A rollout of `new_tokens` tokens per sequence at k takes a_k + (new_tokens - 1) /
-    (1 + A_1 + ... + A_k) x c_k seconds (first step a_k, later ones c_k, each emitting 1 +
-    A_1 + ... + A_k tokens on average): a short answer leaves drafting few steps to save.
-    `margin` (a fraction): drafting must be predicted at least this much faster than not
-    drafting to be chosen, so timing noise does not buy a slower rollout. `retime` (a
-    fraction): the timings are stale once the tokens a deepest-k step emits moved this
-    much from when they were taken (a step's cost grows with what it emits). Its state is
-    plain data (`state_dict`, `load_state_dict`) for checkpoints.
+    `try_each` lines up the next rollouts: k = 0 and every k that could pay, `rounds` each
+    in turn (0, 1, 2, 3, 0, 1, 2, 3, ...); `choose` names the k of each, `record` takes its
+    tokens/s. Each k counts its fastest try (a burst of load slows one rollout, not the
+    choice), and the fastest k stays; drafting must beat no drafting by `margin` (a
+    fraction), so noise does not buy a slower rollout. Which rollouts are tries depends on
+    the acceptance alone: where one k wins clearly, a run is as reproducible as with a
+    fixed k. A k could pay only where a verify step's tokens (1 + A_1 + ... + A_k, A_i the
+    acceptance at depth i) are at least 1 + margin times its cost with each draft at
+    MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST): a random draft is not tried. Between
+    tries a rollout's speed at k follows the tokens its steps emit, so the chosen k's tried
+    speed is scaled by 1 + A_1 + ... + A_k now over then: where that falls below no
+    drafting's (a draft the policy left behind) the next rollout does not draft. `retry` (a
+    fraction): the tries are stale once the tokens a deepest-k step emits moved this much
+    since they began. Its state is plain data (`state_dict`, `load_state_dict`) for
+    checkpoints.
     """
 
-    def __init__(self, max_tokens, new_tokens, margin=0.03, retime=0.25):
-        for name, value in (("max_tokens", max_tokens), ("new_tokens", new_tokens)):
+    def __init__(self, max_tokens, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
+        for name, value in (("max_tokens", max_tokens), ("rounds", rounds)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
-        self.max_tokens, self.new_tokens, self.margin, self.retime = max_tokens, new_tokens, margin, retime
-        self.first_seconds = self.step_seconds = None  # [a_0, ..., a_max], [c_0, ..., c_max]
+        self.max_tokens, self.margin, self.retry, self.rounds = max_tokens, margin, retry, rounds
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
-        self.timed_tokens_per_step = None  # 1 + A_1 + ... + A_max when the steps were timed
+        self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries began
+        self.schedule = []  # the k of the rollouts still to try, in order
+        self.realized = [[] for _ in range(max_tokens + 1)]  # tokens/s of the tries at each k
+        # The k the tries chose, its tried speed relative to k = 0's, and 1 + A_1 + ... + A_k then.
+        self.chosen, self.chosen_speed, self.chosen_tokens_per_step = 0, 1.0, 1.0
 
-    def calibrate(self, first_seconds, step_seconds, statistics):
-        """Take `time_draft_steps`' timings and the acceptance statistics of its deepest-k rollout."""
-        for name, seconds in (("first_seconds", first_seconds), ("step_seconds", step_seconds)):
-            if len(seconds) != self.max_tokens + 1 or not all(s > 0 and math.isfinite(s) for s in seconds):
-                raise ValueError(f"{name}={seconds!r}: expected {self.max_tokens + 1} positive finite seconds, one "
-                                 "per k = 0..max_tokens")
-        self.first_seconds, self.step_seconds = list(first_seconds), list(step_seconds)
-        self.observe(statistics)
-        self.timed_tokens_per_step = 1 + sum(self.acceptance)
-
-    def timing_is_stale(self):
-        """Whether the acceptance moved so far since the timing that the step costs did too."""
-        return (self.timed_tokens_per_step is not None
-                and abs(1 + sum(self.acceptance) - self.timed_tokens_per_step) > self.retime * self.timed_tokens_per_step)
+    def tokens_per_step(self, draft_tokens):
+        """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
+        return 1 + sum(self.acceptance[:draft_tokens])
 
     def observe(self, statistics):
         """Take the acceptance of a rollout or check that drafted k tokens: A_1..A_k are
@@ -485,41 +427,67 @@ class DraftTuner:
         for depth in range(len(measured), self.max_tokens):
             self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
 
-    def predicted_seconds(self, acceptance=None):
-        """[seconds of a rollout at k, for k = 0..max_tokens], at the measured acceptance
-        or at `acceptance` ([A_1, ..., A_max])."""
-        if self.step_seconds is None:
-            raise RuntimeError("DraftTuner.choose before calibrate: time the engine steps first")
-        acceptance = self.acceptance if acceptance is None else acceptance
-        return [self.first_seconds[k] + (self.new_tokens - 1) / (1 + sum(acceptance[:k])) * self.step_seconds[k]
-                for k in range(self.max_tokens + 1)]
+    def try_each(self):
+        """Line up the tries of k = 0 and every k that could pay at the current acceptance
+        (none where no drafting k could: then k = 0)."""
+        candidates = [0] + [k for k in range(1, self.max_tokens + 1)
+                            if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
+        self.schedule = candidates * self.rounds if len(candidates) > 1 else []
+        self.realized = [[] for _ in range(self.max_tokens + 1)]
+        self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
+        self.chosen, self.chosen_speed, self.chosen_tokens_per_step = 0, 1.0, 1.0
 
-    def predicted_speeds(self, acceptance=None):
-        """[tokens per second relative to k = 0, for k = 0..max_tokens]."""
-        seconds = self.predicted_seconds(acceptance)
-        return [seconds[0] / value for value in seconds]
+    def exploring(self):
+        """Whether the next rollouts are tries (at the k `choose` names, for `record`)."""
+        return bool(self.schedule)
 
-    def hopeless(self):
-        """Whether drafting stays well below no drafting (HOPELESS_SPEED) even with every
-        draft accepted, at these timings (which only grow with the acceptance): checking the
-        acceptance or timing again on its account is wasted. Not merely below 1 + margin:
-        one timing disturbed by a burst of load must not switch the checks off."""
-        return max(self.predicted_speeds([1.0] * self.max_tokens)[1:]) < HOPELESS_SPEED
+    def is_stale(self):
+        """Whether the acceptance moved so far since the tries began that their speeds no longer hold."""
+        return (self.tried_tokens_per_step is not None
+                and abs(self.tokens_per_step(self.max_tokens) - self.tried_tokens_per_step)
+                > self.retry * self.tried_tokens_per_step)
+
+    def record(self, draft_tokens, tokens_per_second):
+        """The tokens/s of a rollout at `draft_tokens`, the k `choose` named. Outside the tries
+        nothing is kept: the machine's speed drifts over minutes, so only rollouts taking
+        turns are compared."""
+        if not self.schedule:
+            return
+        if draft_tokens != self.schedule[0]:
+            raise ValueError(f"draft_tokens={draft_tokens!r}: expected {self.schedule[0]}, the k choose() named for "
+                             "this rollout")
+        if not (tokens_per_second > 0 and math.isfinite(tokens_per_second)):
+            raise ValueError(f"tokens_per_second={tokens_per_second!r}: expected a positive finite speed")
+        self.realized[self.schedule.pop(0)].append(tokens_per_second)
+        if not self.schedule:
+            fastest = [max(speeds) if speeds else 0.0 for speeds in self.realized]
+            best = max(range(len(fastest)), key=fastest.__getitem__)
+            self.chosen = best if fastest[best] >= (1 + self.margin) * fastest[0] else 0
+            self.chosen_speed = fastest[self.chosen] / fastest[0]
+            self.chosen_tokens_per_step = self.tokens_per_step(self.chosen)
+
+    def realized_speeds(self):
+        """[each k's fastest try relative to k = 0's, None where not tried], None before k = 0's."""
+        if not self.realized[0]:
+            return None
+        return [max(speeds) / max(self.realized[0]) if speeds else None for speeds in self.realized]
 
     def choose(self):
-        speeds = self.predicted_speeds()
-        best = max(range(len(speeds)), key=speeds.__getitem__)
-        return best if speeds[best] >= 1 + self.margin else 0
+        """The k of the next rollout: the next try, else the fastest tried (0 where nothing
+        was tried, or the acceptance since scales it below no drafting)."""
+        if self.schedule:
+            return self.schedule[0]
+        scaled = self.chosen_speed * self.tokens_per_step(self.chosen) / self.chosen_tokens_per_step
+        return self.chosen if scaled >= 1 else 0
 
     def state_dict(self):
         return {name: getattr(self, name) for name in self._STATE}
 
     def load_state_dict(self, state):
-        if (state["max_tokens"], state["new_tokens"]) != (self.max_tokens, self.new_tokens):
-            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']} and new_tokens "
-                             f"{state['new_tokens']}, this tuner has {self.max_tokens} and {self.new_tokens}")
+        if state["max_tokens"] != self.max_tokens:
+            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']}, this tuner has {self.max_tokens}")
         for name in self._STATE:
             setattr(self, name, state[name])
 
-    _STATE = ("max_tokens", "new_tokens", "margin", "retime", "first_seconds", "step_seconds", "acceptance",
-              "timed_tokens_per_step")
+    _STATE = ("max_tokens", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step", "schedule", "realized",
+              "chosen", "chosen_speed", "chosen_tokens_per_step")

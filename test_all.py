@@ -895,51 +895,72 @@ def test_build_mtp_speculative_config_checks_arguments_and_vllm_release(monkeypa
 
 
 
-def test_draft_tuner_chooses_the_fastest_k_and_drops_a_stale_draft_by_hand():
+def test_draft_tuner_lets_the_rollouts_choose_by_hand():
     def statistics(by_depth, drafts=100):
         return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
                                                  [round(a * drafts) for a in by_depth])
 
-    tuner = spec_config.DraftTuner(max_tokens=3, new_tokens=11)
-    with pytest.raises(RuntimeError, match="before calibrate"):
-        tuner.choose()
-    with pytest.raises(ValueError, match="step_seconds=.*expected 4 positive finite seconds"):
-        tuner.calibrate([1.0] * 4, [1.0, 1.2, math.nan, 1.6], None)
-    tuner.calibrate([1.0] * 4, [1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
-    assert tuner.choose() == 0 and not tuner.timing_is_stale()  # nothing accepted yet: drafts only cost
+    def roll_out(tuner, speeds):
+        """One rollout per entry at the k the tuner names, `speeds[k]` tokens/s; returns those k."""
+        tried = []
+        for speed in speeds:
+            tried.append(tuner.choose())
+            tuner.record(tried[-1], speed[tried[-1]])
+        return tried
+
+    with pytest.raises(ValueError, match="rounds=0: expected an int >= 1"):
+        spec_config.DraftTuner(max_tokens=3, rounds=0)
+    tuner = spec_config.DraftTuner(max_tokens=3)
+    assert tuner.choose() == 0 and not tuner.is_stale()  # nothing measured: no drafting
+    # A random draft (accepted 4% at depth 1) could not pay even at a twentieth of a step
+    # per draft: nothing is tried.
+    tuner.observe(statistics([0.04, 0.0, 0.0]))
+    tuner.try_each()
+    assert not tuner.exploring() and tuner.choose() == 0 and tuner.realized_speeds() is None
+    tuner.record(0, 100.0)  # not a try: nothing kept
+    assert tuner.realized_speeds() is None
+    # The draft learnt: 1 + A_1 + ... + A_3 went from 1.04 to 3.4 tokens per step, the tries are stale.
     tuner.observe(statistics([0.9, 0.8, 0.7]))
-    # a first step, then 10 tokens at 1, 1.9, 2.7, 3.4 tokens per step
-    assert tuner.predicted_seconds() == pytest.approx([11, 1 + 12 / 1.9, 1 + 14 / 2.7, 1 + 16 / 3.4])
-    assert tuner.choose() == 3
-    # A deepest-k step now emits 3.4 tokens, not 1: its cost moved too, time again.
-    assert tuner.timing_is_stale()
-    tuner.calibrate([1.0] * 4, [1.0, 1.2, 1.4, 1.8], statistics([0.9, 0.8, 0.7]))
-    assert not tuner.timing_is_stale() and tuner.choose() == 2  # 1 + 14/2.7 < 1 + 18/3.4
-    # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, drafting stops.
+    assert tuner.tokens_per_step(3) == pytest.approx(3.4) and tuner.is_stale()
+    tuner.try_each()
+    assert not tuner.is_stale()
+    # Every k is tried three times in turn, each counting its fastest try (k = 3's first hit
+    # a burst of load), and the rollouts say k = 3.
+    tried = roll_out(tuner, [{0: 100}, {1: 150}, {2: 160}, {3: 120}, {0: 110}, {1: 140}, {2: 185}, {3: 190},
+                             {0: 105}, {1: 145}, {2: 170}, {3: 200}])
+    assert tried == [0, 1, 2, 3] * 3 and not tuner.exploring() and tuner.choose() == 3
+    assert tuner.realized_speeds() == pytest.approx([1, 150 / 110, 185 / 110, 200 / 110])
+    # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, and k = 3's
+    # tried 1.82x scaled by 1.3 / 3.4 tokens per step is below no drafting: drafting stops.
     tuner.observe(statistics([0.1]))
-    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0
+    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0 and tuner.is_stale()
+    # A weak draft: 1.1 tokens per step at k = 1 could pay for one draft at 5% of a step,
+    # 1.11 at k = 2 and 3 not for two or three; k = 0 and 1 take turns, k = 1 measures 1.06x.
+    tuner.observe(statistics([0.1, 0.01, 0.0]))
+    tuner.try_each()
+    assert roll_out(tuner, [{0: 100}, {1: 106}, {0: 98}, {1: 104}, {0: 99}, {1: 105}]) == [0, 1] * 3
+    assert tuner.choose() == 1
+    assert tuner.realized_speeds() == pytest.approx([1, 1.06, None, None])
+    tuner.try_each()
+    tuner.record(0, 100.0)
+    with pytest.raises(ValueError, match="draft_tokens=0: expected 1, the k choose"):
+        tuner.record(0, 100.0)
+    with pytest.raises(ValueError, match="tokens_per_second=nan: expected a positive finite speed"):
+        tuner.record(1, math.nan)
     # Within the margin drafting is not worth it.
-    tuner.calibrate([1.0] * 4, [1.0, 1.95, 3.0, 4.0], statistics([1.0, 1.0, 1.0]))
-    assert tuner.predicted_speeds()[1] == pytest.approx(11 / 10.75) and tuner.choose() == 0
-    # The same engine: drafting pays on 32-token answers and not on 2-token ones, where the
-    # draft's share of the first step is not won back.
-    for new_tokens, best in ((33, 3), (3, 0)):
-        tuner = spec_config.DraftTuner(max_tokens=3, new_tokens=new_tokens)
-        tuner.calibrate([1.0, 2.0, 2.1, 2.2], [1.0, 1.2, 1.4, 1.6], statistics([0.0, 0.0, 0.0]))
-        # Nothing accepted yet: no drafting; fully accepted the short answers would still be
-        # slower (at best 3 / 2.8, not below HOPELESS_SPEED: the checks go on).
-        assert tuner.choose() == 0 and not tuner.hopeless()
-        tuner.observe(statistics([1.0, 1.0, 1.0]))
-        assert tuner.choose() == best, tuner.predicted_speeds()
-    # Drafting that costs twice a plain step per step and four times the first step is
-    # hopeless even fully accepted, on short answers: nothing more is measured for it.
-    tuner.calibrate([1.0, 4.0, 4.0, 4.0], [1.0, 2.0, 2.0, 2.0], statistics([0.0, 0.0, 0.0]))
-    assert tuner.hopeless() and max(tuner.predicted_speeds([1.0] * 3)[1:]) == pytest.approx(3 / 5)
-    restored = spec_config.DraftTuner(max_tokens=3, new_tokens=3)
+    tuner.try_each()
+    roll_out(tuner, [{0: 100}, {1: 102}] * 3)
+    assert tuner.realized_speeds() == pytest.approx([1, 1.02, None, None]) and tuner.choose() == 0
+    # Mid-try state survives a checkpoint: the restored tuner names the same next k.
+    tuner = spec_config.DraftTuner(max_tokens=3)
+    tuner.observe(statistics([1.0, 1.0, 1.0]))
+    tuner.try_each()
+    roll_out(tuner, [{0: 100}, {1: 150}])
+    restored = spec_config.DraftTuner(max_tokens=3)
     restored.load_state_dict(tuner.state_dict())
-    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose()
-    with pytest.raises(ValueError, match="for max_tokens 3 and new_tokens 3, this tuner has 2 and 3"):
-        spec_config.DraftTuner(max_tokens=2, new_tokens=3).load_state_dict(tuner.state_dict())
+    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose() == 2
+    with pytest.raises(ValueError, match="for max_tokens 3, this tuner has 2"):
+        spec_config.DraftTuner(max_tokens=2).load_state_dict(tuner.state_dict())
     assert spec_config.acceptance_by_depth(None) == [] and spec_config.acceptance_by_depth(statistics([0.5, 0.25])) \
         == [0.5, 0.25]
 
@@ -2059,17 +2080,45 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
         # letter_a gives a fraction in [0, 1]; per-character credit would give multiples of 1/3.
         assert 0 <= record["reward_mean"] <= 1 and 0 <= record["eval_reward_mean"] <= 1
         assert 0 <= record["eval_accuracy"] <= 1 and record["eval_response_length"] == 3
-    # --num-speculative-tokens auto (the default): step 1 timed every k and measured the
-    # random draft's acceptance at every depth (near 0), so no rollout drafted.
+    # --num-speculative-tokens auto (the default): step 1 measured the random draft's
+    # acceptance at every depth (near 0): no k could pay, none was tried, nothing drafted.
     first, second = records
     assert first["tune_s"] > 0 and len(first["check_acceptance_by_depth"]) == 3
     assert max(first["check_acceptance_by_depth"]) < 0.2 and "check_acceptance_by_depth" not in second
     for record in records:
         assert record["draft_tokens"] == 0 and record["acceptance_rate"] is None
-        assert record["predicted_speedup"] == 1.0
+        assert "realized_speedups" not in record
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
-    assert tuner["max_tokens"] == 3 and len(tuner["step_seconds"]) == 4 and min(tuner["first_seconds"]) > 0
+    assert tuner["max_tokens"] == 3 and tuner["schedule"] == [] and tuner["acceptance"] == pytest.approx(
+        first["check_acceptance_by_depth"])
+
+
+def _write_draft_friendly_checkpoint(checkpoint, out_dir):
+    return weight_sync.save_hf_checkpoint(_draft_friendly_megatron_model(checkpoint), checkpoint, out_dir)
+
+
+def test_auto_tries_each_k_on_the_rollouts_and_keeps_the_faster(tiny_checkpoint, tmp_path):
+    # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
+    # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts, and step 7 drafts
+    # as the tries say (the faster by 3%, scaled by the acceptance since).
+    model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
+    records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "7", "--prompts-per-step", "4",
+                        "--eval-every", "7", "--save-every", "6", "--max-speculative-tokens", "1")
+    assert records[0]["check_acceptance_by_depth"][0] > 0.3
+    tries = records[:6]
+    assert [r["draft_tokens"] for r in tries] == [0, 1] * 3
+    assert [r["acceptance_rate"] is not None for r in tries] == [False, True] * 3
+    assert tries[0]["realized_speedups"] == [1.0, None]
+    assert all(r["realized_speedups"][0] == 1.0 and r["realized_speedups"][1] > 0 for r in tries[1:])
+    drafting = tries[-1]["realized_speedups"][1]
+    then, now = 1 + tries[-3]["acceptance_by_depth"][0], 1 + tries[-1]["acceptance_by_depth"][0]
+    assert records[6]["draft_tokens"] == (1 if drafting >= 1.03 and drafting * now / then >= 1 else 0)
+    assert "realized_speedups" not in records[6]
+    tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000006", "rank0.pt"),
+                       weights_only=True)["draft_tuner"]
+    assert tuner["schedule"] == [] and [len(speeds) for speeds in tuner["realized"]] == [3, 3]
+    assert max(tuner["realized"][1]) / max(tuner["realized"][0]) == pytest.approx(drafting)
 
 
 # One flag per kind of rejection, and what its message must say.
@@ -2515,7 +2564,7 @@ def test_train_grpo_tensorboard_holds_every_number_of_metrics_jsonl(verl_parquet
     numbers = {key for record in records for key, value in record.items()
                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
     assert set(events.Tags()["scalars"]) == numbers
-    assert {"reward_mean", "total_loss", "grad_norm", "draft_tokens", "predicted_speedup", "probe_logprob",
+    assert {"reward_mean", "total_loss", "grad_norm", "draft_tokens", "probe_logprob",
             "train_s", "tune_s"} <= numbers
     for key in numbers:
         # TensorBoard keeps scalars in fp32.

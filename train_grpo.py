@@ -23,10 +23,10 @@ little (about 1%).
 - count (on the 16-layer deep model): "count:7" -> the next 32 digits counting up mod 10,
   "8901..."; a digit earns its credit when it follows the one before it. Answers long
   enough to draft, a model deep enough for a draft to be cheap next to a target step.
-MTP drafting: `--num-speculative-tokens auto` (the default) drafts the k (0 = none) that
-this engine measures fastest at the rollout's concurrency (spec_config.DraftTuner); every
-push into a drafting engine is followed by a check that vLLM's draft holds Megatron's MTP
-weights (weight_sync.check_draft). With --data, examples come from a
+MTP drafting: `--num-speculative-tokens auto` (the default) drafts the k (0 = none) whose
+rollouts this engine measures fastest at the rollout's concurrency (spec_config.DraftTuner);
+every push into a drafting engine is followed by a check that vLLM's draft holds
+Megatron's MTP weights (weight_sync.check_draft). With --data, examples come from a
 .jsonl or .parquet file, in our layout ({"prompt", "answer"}) or verl's (prompt as chat
 messages, answer under reward_model.ground_truth), with an exact-match reward (numeric
 when the answer is a number). Chat-message prompts go through the tokenizer's chat
@@ -81,10 +81,9 @@ EVAL_HOLDOUT_FRACTION = 0.1
 EVAL_HOLDOUT_MAX = 256
 PROBE_PROMPT = "repeat:a"
 PROBE_TOKENS = 4
-# --num-speculative-tokens auto: new tokens per timed rollout of the tune phase (long enough
-# that the prefill is a small part of it, short next to a rollout), and the prompts per
-# engine of an acceptance check while nothing drafts (x --group-size sequences).
-TUNE_TOKENS = 12
+# --num-speculative-tokens auto, while no rollout drafts: an acceptance check's new tokens
+# (a few verify steps at the deepest k) and prompts per engine (x --group-size sequences).
+ACCEPTANCE_CHECK_TOKENS = 12
 ACCEPTANCE_CHECK_PROMPTS = 2
 NUMERIC_TOLERANCE = 1e-6
 ADVANTAGE_EPS = 1e-6
@@ -206,13 +205,14 @@ def parse_args(argv=None):
                         f"the MTP loss enters the gradient with weight {DEFAULT_MTP_LOSS_SCALING_FACTOR} x this "
                         f"/ MTP layers")
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
-                   help="MTP draft tokens per verify step, or auto: before every rollout, the k in "
-                        "0..--max-speculative-tokens (0: no drafting) predicted fastest from this engine's timed steps "
-                        "at the rollout's concurrency and the draft's latest acceptance")
+                   help="MTP draft tokens per verify step, or auto: the k in 0..--max-speculative-tokens (0: no "
+                        "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "
+                        "moved far, the next rollouts try in turn k = 0 and every k that could pay, and the fastest "
+                        "stays")
     p.add_argument("--max-speculative-tokens", type=int, default=3, help="the deepest k auto considers")
     p.add_argument("--tune-every", type=int, default=50,
-                   help=f"auto: every N steps, at the first and when the acceptance moved far, time a {TUNE_TOKENS}-"
-                        "token rollout of the step's prompts at each k on the current weights")
+                   help="auto: every N steps (and at the first) the rollouts try each k that could pay again, in "
+                        "turns, on the current weights")
     p.add_argument("--acceptance-check-every", type=int, default=5,
                    help="auto, while no rollout drafts: every N steps measure the draft's acceptance at every depth on "
                         f"{ACCEPTANCE_CHECK_PROMPTS} of the step's prompts per engine")
@@ -740,7 +740,7 @@ def build_engines(model_dir, args, rank, dtype):
     plain = build_engine(model_dir, args, rank, dtype, drafting=False) if auto or not args.mtp_rollout else None
     drafting = build_engine(model_dir, args, rank, dtype, drafting=True) if args.mtp_rollout else None
     engines = Engines(plain, drafting, draft_tokens=0 if auto or not args.mtp_rollout else args.num_speculative_tokens,
-                      tuner=spec_config.DraftTuner(args.max_speculative_tokens, args.max_new_tokens) if auto else None,
+                      tuner=spec_config.DraftTuner(args.max_speculative_tokens) if auto else None,
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
     for engine in engines.all():
         engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
@@ -798,7 +798,7 @@ def save_checkpoint(args, policy, engines, step, rank, world_size):
     dist.barrier()
     state = {"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": step}
     if engines.tuner is not None:
-        # Its timings and acceptance: the resumed run drafts as the uninterrupted one would.
+        # Its tries and acceptance: the resumed run drafts as the uninterrupted one would.
         state["draft_tuner"] = engines.tuner.state_dict()
     _write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
     fault_point("save", step)
@@ -1017,68 +1017,53 @@ def ensure_current(engines, engine, policy, version, args):
         weight_sync.check_draft(policy.model, engine)
 
 
-def time_engine_steps(engines, tokenizer, examples, args, rank, warm_up):
-    """spec_config.time_draft_steps on this engine's share of `examples` (this rollout's
-    concurrency, the current weights), TUNE_TOKENS new tokens: (first-step and later-step
-    seconds per k, each the slowest rank's: ranks roll out in step; the acceptance
-    statistics of every engine's rollout at the deepest k)."""
-    num_engines = dist.get_world_size() // args.rollout_tp
-    share = examples[rank // args.rollout_tp::num_engines]
-    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
-    first_seconds, step_seconds, deepest = spec_config.time_draft_steps(
-        engines.plain, engines.drafting, engines.meter, prompts,
-        sampling_params(args, args.group_size, args.temperature, max_tokens=TUNE_TOKENS), warm_up)
-    slowest = torch.tensor([first_seconds, step_seconds], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return *slowest.tolist(), all_engines_statistics(deepest, args, rank)
-
-
 def tune(engines, policy, tokenizer, examples, args, rank, step):
     """The tune phase (--num-speculative-tokens auto only): set the k this step's rollout
-    drafts. Every --tune-every steps, at a process's first and when the acceptance moved
-    far, each k is timed on the current weights; while no rollout drafts, the draft's
-    acceptance is checked every --acceptance-check-every steps on a few prompts; neither
-    check nor extra timing runs where drafting stays far slower even fully accepted. Returns
-    (the acceptance statistics, every engine's at the deepest k, of what ran or None,
-    whether the k were timed). A no-op for a fixed k or without drafting."""
+    drafts. While no rollout drafts, the draft's acceptance is checked at the deepest k on a
+    few prompts, at a process's first step and every --acceptance-check-every steps; at the
+    first step, every --tune-every steps and once the acceptance moved far, the next
+    rollouts try each k that could pay in turn (DraftTuner.try_each). Returns (the
+    acceptance statistics of the check, every engine's, or None; whether this rollout is
+    a try). A no-op for a fixed k or without drafting."""
     tuner = engines.tuner
     if tuner is None:
         return None, False
-    checked, timed = None, False
-    due = tuner.step_seconds is None or (step - 1) % args.tune_every == 0
-    # Where drafting stays far slower even with every draft accepted, only the periodic timing runs.
-    hopeless = tuner.step_seconds is not None and tuner.hopeless()
-    if not due and not hopeless and not engines.draft_tokens and (step - 1) % args.acceptance_check_every == 0:
-        ensure_current(engines, engines.drafting, policy, step - 1, args)
-        spec_config.set_draft_tokens(engines.drafting, args.max_speculative_tokens)
-        num_engines = dist.get_world_size() // args.rollout_tp
-        _, outputs = rollout(engines.drafting, tokenizer, examples[:ACCEPTANCE_CHECK_PROMPTS * num_engines],
-                             sampling_params(args, args.group_size, args.temperature, max_tokens=TUNE_TOKENS),
-                             args, rank)
-        checked = all_engines_statistics(engines.meter.read(outputs), args, rank)
-        tuner.observe(checked)
-    if due or (not hopeless and tuner.timing_is_stale()):
-        for engine in (engines.plain, engines.drafting):
-            ensure_current(engines, engine, policy, step - 1, args)
-        first_seconds, step_seconds, checked = time_engine_steps(engines, tokenizer, examples, args, rank,
-                                                                 warm_up=tuner.step_seconds is None)
-        tuner.calibrate(first_seconds, step_seconds, checked)
-        timed = True
+    checked = None
+    first = tuner.tried_tokens_per_step is None
+    if not tuner.exploring():
+        if not engines.draft_tokens and (first or (step - 1) % args.acceptance_check_every == 0):
+            ensure_current(engines, engines.drafting, policy, step - 1, args)
+            spec_config.set_draft_tokens(engines.drafting, args.max_speculative_tokens)
+            num_engines = dist.get_world_size() // args.rollout_tp
+            _, outputs = rollout(engines.drafting, tokenizer, examples[:ACCEPTANCE_CHECK_PROMPTS * num_engines],
+                                 sampling_params(args, args.group_size, args.temperature,
+                                                 max_tokens=ACCEPTANCE_CHECK_TOKENS), args, rank)
+            checked = all_engines_statistics(engines.meter.read(outputs), args, rank)
+            tuner.observe(checked)
+        if first or (step - 1) % args.tune_every == 0 or tuner.is_stale():
+            tuner.try_each()
     engines.draft_tokens = tuner.choose()
     if engines.draft_tokens:
         spec_config.set_draft_tokens(engines.drafting, engines.draft_tokens)
-    return checked, timed
+    return checked, tuner.exploring()
 
 
 def generate(engines, policy, tokenizer, examples, args, rank, step):
     """The rollout phase: completions from the active engine (brought up to date), the draft
     acceptance of every engine's rollout (None without drafting), and vLLM put to sleep on
-    a GPU so Megatron gets its memory."""
+    a GPU so Megatron gets its memory. While auto tries each k in turn, the rollout's
+    tokens/s (without the push) goes to its tuner."""
     engine = engines.active()
     ensure_current(engines, engine, policy, step - 1, args)
     seed_engine(args, rank, step)
+    start = time.perf_counter()
     samples, outputs = rollout(engine, tokenizer, examples, sampling_params(args, args.group_size, args.temperature),
                                args, rank)
+    if engines.tuner is not None and engines.tuner.exploring():
+        # The slowest rank's seconds, so every rank records the same speed and chooses alike.
+        seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        engines.tuner.record(engines.draft_tokens, sum(len(s["response_ids"]) for s in samples) / seconds.item())
     acceptance = None
     if engines.draft_tokens:
         acceptance = all_engines_statistics(engines.meter.read(outputs), args, rank)
@@ -1318,23 +1303,21 @@ def sync_weights(engines, policy, step, args):
     return {"probe_text": text, "probe_logprob": logprob, "weight_version": engine.get_weight_version()}
 
 
-def draft_record(engines, acceptance, checked, timed):
+def draft_record(engines, acceptance, checked, tried):
     """The step's drafting metrics: draft_tokens (k of the rollout, 0: none), the rollout's
     acceptance_rate, mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the
     share of verify steps that accepted the first i drafts; None without drafting), and
-    under auto check_acceptance_by_depth (the tune phase's, at the deepest k, on the
-    steps it measured), measured_speedups (tokens/s of each k = 0..max relative to k = 0,
-    on the steps it timed them) and the predicted_speedup of the chosen k."""
+    under auto check_acceptance_by_depth (the tune phase's check, at the deepest k, on the
+    steps it ran) and realized_speedups (each k's fastest try so far relative to k = 0's
+    tokens/s, None where not tried yet, on the steps whose rollout was a try)."""
     record = {"draft_tokens": engines.draft_tokens,
               "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
               "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
               "acceptance_by_depth": spec_config.acceptance_by_depth(acceptance) or None}
     if checked is not None:
         record["check_acceptance_by_depth"] = spec_config.acceptance_by_depth(checked)
-    if timed:
-        record["measured_speedups"] = engines.tuner.predicted_speeds()
-    if engines.tuner is not None:
-        record["predicted_speedup"] = engines.tuner.predicted_speeds()[engines.draft_tokens]
+    if tried:
+        record["realized_speedups"] = engines.tuner.realized_speeds()
     return record
 
 
@@ -1426,7 +1409,7 @@ def plot_curves(records, path):
 
 def plot_acceptance_against_entropy(records, path):
     """Draft acceptance (position 1: the share of verify steps that accepted the first
-    draft, from the rollout or auto's timed deepest-k rollout) against the policy's entropy, a
+    draft, from the rollout or auto's acceptance check) against the policy's entropy, a
     point per step, coloured by step; False (nothing drawn) when no step measured it."""
     points = [(r["entropy"], (r.get("acceptance_by_depth") or r.get("check_acceptance_by_depth"))[0], r["step"])
               for r in records if r.get("acceptance_by_depth") or r.get("check_acceptance_by_depth")]
@@ -1531,7 +1514,7 @@ def main(args):
         examples_now = sample_prompts(examples, step, args, dp_size)
         # Tune: how many tokens the MTP head drafts in this rollout (auto)
         with timer("tune"):
-            checked, timed = tune(engines, policy, tokenizer, examples_now, args, rank, step)
+            checked, tried = tune(engines, policy, tokenizer, examples_now, args, rank, step)
         # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting
         with timer("rollout"):
             samples, acceptance = generate(engines, policy, tokenizer, examples_now, args, rank, step)
@@ -1550,7 +1533,7 @@ def main(args):
                 eval_metrics = evaluate(engines.active(), held_out, tokenizer, reward_function, args, rank)
         # Log and checkpoint
         record = step_record(step, samples, rewards, reduce_metrics(train_sums, device),
-                             draft_record(engines, acceptance, checked, timed), sync_result, eval_metrics, timer.seconds)
+                             draft_record(engines, acceptance, checked, tried), sync_result, eval_metrics, timer.seconds)
         if rank == 0:
             records.append(record)
             log_step(record, metrics_path, writer, args, time.time() - started, step - start_step)
