@@ -309,16 +309,18 @@ def fix_cpu_draft_sampling():
 # away from only costs. So the number of draft tokens k (0 = no drafting) is measured, not
 # assumed, and measured on the rollouts themselves: a model of a rollout's seconds from
 # timed engine steps (a first step a_k, later ones c_k, each emitting 1 + A_1 + ... + A_k
-# tokens) predicted speeds 20-30% off on a shared 2-core VM, because a timing rollout of a
-# few hundred ms catches a burst of load whole, and drafts the sampled tokens happened to
-# miss. A rollout lasts seconds at the real length and concurrency, and a few of them
-# taking turns over k measure each to a few percent. A_i = P(the first i drafts of a
+# tokens) predicted speeds 20-30% off on a shared 2-core VM: a timing rollout of a few
+# hundred ms catches a burst of load whole, and at temperature 1 a few sequences sampled
+# off what the draft predicts make one short rollout far slower than the next. A rollout
+# lasts seconds at the real length and concurrency, and a few of them taking turns over k
+# measure each to a few percent. A_i = P(the first i drafts of a
 # verify step are accepted) moves with the policy and its MTP head every step: it is read
 # from the engine's own acceptance counts after each drafting rollout and, while nothing
 # drafts, from a small check at the deepest k every few steps; a draft the policy leaves
 # behind stops being used at the next rollout, and once A_i moved far the k are tried
-# again. The choice depends on measured speeds, so two runs of one seed can choose
-# differently; checkpoints carry the tuner, so a resumed run continues with its state.
+# again. Where two k run within a few percent of each other, two runs of one seed can
+# choose differently; checkpoints carry the tuner, so a resumed run continues with its
+# state.
 
 # A drafting engine's k is switched between rollouts through vLLM's dynamic speculative
 # decoding schedule (batch size -> k, `num_speculative_tokens_per_batch_size`, vLLM >= 0.32):
