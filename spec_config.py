@@ -412,8 +412,8 @@ class DraftTuner:
         self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries began
         self.schedule = []  # the k of the rollouts still to try, in order
         self.realized = [[] for _ in range(max_tokens + 1)]  # tokens/s of the tries at each k
-        # The k the tries chose, its tried speed relative to k = 0's, and 1 + A_1 + ... + A_k then.
-        self.chosen, self.chosen_speed, self.chosen_tokens_per_step = 0, 1.0, 1.0
+        # The k the tries chose, and 1 + A_1 + ... + A_k when they ended.
+        self.chosen, self.chosen_tokens_per_step = 0, 1.0
 
     def tokens_per_step(self, draft_tokens):
         """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
@@ -437,7 +437,7 @@ class DraftTuner:
         self.schedule = candidates * self.rounds if len(candidates) > 1 else []
         self.realized = [[] for _ in range(self.max_tokens + 1)]
         self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
-        self.chosen, self.chosen_speed, self.chosen_tokens_per_step = 0, 1.0, 1.0
+        self.chosen, self.chosen_tokens_per_step = 0, 1.0
 
     def exploring(self):
         """Whether the next rollouts are tries (at the k `choose` names, for `record`)."""
@@ -461,11 +461,10 @@ class DraftTuner:
         if not (tokens_per_second > 0 and math.isfinite(tokens_per_second)):
             raise ValueError(f"tokens_per_second={tokens_per_second!r}: expected a positive finite speed")
         self.realized[self.schedule.pop(0)].append(tokens_per_second)
-        if not self.schedule:
-            fastest = [max(speeds) if speeds else 0.0 for speeds in self.realized]
-            best = max(range(len(fastest)), key=fastest.__getitem__)
-            self.chosen = best if fastest[best] >= (1 + self.margin) * fastest[0] else 0
-            self.chosen_speed = fastest[self.chosen] / fastest[0]
+        if not self.schedule:  # k = 0 was tried first: every speed is relative to its
+            speeds = self.realized_speeds()
+            best = max(range(len(speeds)), key=lambda k: speeds[k] or 0.0)
+            self.chosen = best if speeds[best] >= 1 + self.margin else 0
             self.chosen_tokens_per_step = self.tokens_per_step(self.chosen)
 
     def realized_speeds(self):
@@ -479,7 +478,9 @@ class DraftTuner:
         was tried, or the acceptance since scales it below no drafting)."""
         if self.schedule:
             return self.schedule[0]
-        scaled = self.chosen_speed * self.tokens_per_step(self.chosen) / self.chosen_tokens_per_step
+        if not self.chosen:
+            return 0
+        scaled = self.realized_speeds()[self.chosen] * self.tokens_per_step(self.chosen) / self.chosen_tokens_per_step
         return self.chosen if scaled >= 1 else 0
 
     def state_dict(self):
@@ -492,4 +493,4 @@ class DraftTuner:
             setattr(self, name, state[name])
 
     _STATE = ("max_tokens", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step", "schedule", "realized",
-              "chosen", "chosen_speed", "chosen_tokens_per_step")
+              "chosen", "chosen_tokens_per_step")
