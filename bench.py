@@ -26,29 +26,20 @@ import torch.distributed as dist
 
 import cp_thd
 import cpu_backend
+import draft_tuner
 import forward
 import mtp_patch
 import spec_config
+import tasks
 import tiny_model
-import train_grpo
+import trainer
 import weight_sync
 from megatron_model import build_gpt_model
 from harness import REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
 
 COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
-TIMING_REPEATS = 5
 DEFAULT_THREADS = 1
-
-
-def median_ms(fn, repeats=TIMING_REPEATS):
-    """Median wall time of `fn()` in milliseconds, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+FIGURES_DIR = os.path.join(REPO_DIR, "docs")
 
 
 # ---------------------------------------------------------------------------------------
@@ -506,17 +497,19 @@ def row_attention_scaling():
 
 
 # ---------------------------------------------------------------------------------------
-# optimizer step: megatron-core DDP + Adam (train_grpo) vs per-parameter all-reduce + torch Adam
+# optimizer step: megatron-core DDP + Adam (trainer) vs per-parameter all-reduce + torch Adam
 # ---------------------------------------------------------------------------------------
 
 OPTIMIZER_REPEATS = 7
 OPTIMIZER_SEQLENS = [16, 16]  # the gradients' values do not matter, only that every parameter has one
+OPTIMIZER_LR = tasks.TASKS["repeat"]["lr"]
+OPTIMIZER_GRAD_CLIP = 1.0
 
 
 def measure_optimizer_step(checkpoint, threads):
     """Runs in 2 spawned processes (data parallel 2): ms per gradient sync + clip + Adam step.
 
-    Ours: train_grpo.build_optimizer (megatron DDP's bucketed all-reduce into fp32 main_grad
+    Ours: trainer.build_optimizer (megatron DDP's bucketed all-reduce into fp32 main_grad
     buffers, megatron's Adam and global clip). Baseline: one all-reduce per parameter,
     torch's clip_grad_norm_ and torch.optim.Adam. Same weights; each repeat runs an
     untimed backward first.
@@ -525,14 +518,13 @@ def measure_optimizer_step(checkpoint, threads):
     _, world_size, _ = cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
     cpu_backend.init_model_parallel(seed=0)
-    args = train_grpo.parse_args([])
     seqlens = torch.tensor(OPTIMIZER_SEQLENS)
     input_ids = torch.randint(0, tiny_model.VOCAB_SIZE, (int(seqlens.sum()),), generator=torch.Generator().manual_seed(0))
     model = build_gpt_model(checkpoint)
     plain = build_gpt_model(checkpoint)
     plain.load_state_dict(model.state_dict())
-    ddp_model, optimizer = train_grpo.build_optimizer(model, args)
-    adam = torch.optim.Adam(plain.parameters(), lr=args.lr, betas=(0.9, 0.99), eps=train_grpo.ADAM_EPS)
+    ddp_model, optimizer = trainer.build_optimizer(model, OPTIMIZER_LR, OPTIMIZER_GRAD_CLIP)
+    adam = torch.optim.Adam(plain.parameters(), lr=OPTIMIZER_LR, betas=(0.9, 0.99), eps=trainer.ADAM_EPS)
 
     def ours():
         ddp_model.finish_grad_sync()
@@ -543,7 +535,7 @@ def measure_optimizer_step(checkpoint, threads):
     def baseline():
         for param in plain.parameters():
             dist.all_reduce(param.grad)
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), args.grad_clip)
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), OPTIMIZER_GRAD_CLIP)
         adam.step()
 
     times = {"ours": [], "baseline": []}
@@ -597,7 +589,7 @@ SPEC_REPEATS = 9
 SPEC_SEED_STRIDE = 1_000_003
 # Room for 256 sequences of 70 tokens in each of the five engines' KV caches.
 SPEC_KV_CACHE_BYTES = 2**28
-SPEC_HEATMAP = os.path.join(REPO_DIR, "spec_rollout_cpu.png")
+SPEC_HEATMAP = os.path.join(FIGURES_DIR, "spec_rollout_cpu.png")
 SPEC_PROCESS_TIMEOUT_SECONDS = 3600
 
 
@@ -620,18 +612,10 @@ def spec_checkpoint(checkpoint):
     return os.path.join(SPEC_RUN_DIR, "final")
 
 
-def measure_spec_rollout(checkpoint, threads):
-    """Runs in a spawned process: per concurrency B, tokens/s of the same rollout (the
-    count task's training prompts, temperature 1, SPEC_NEW_TOKENS tokens, no EOS) with
-    k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (a plain and a
-    dynamic drafting engine, k chosen by spec_config.DraftTuner as train_grpo's tune and
-    rollout phases choose it: an acceptance check, then these rollouts at each k that could
-    pay, in turns), each the median of SPEC_REPEATS interleaved runs; the k = 3 engine's
-    acceptance per depth; auto's tries, choice and seconds to choose."""
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    torch.set_num_threads(threads)
-    spec_config.fix_cpu_draft_sampling()
+def spec_engines(checkpoint):
+    """(fixed: {k: engine drafting k, 0: none}, the dynamic drafting engine auto switches,
+    meters by k, the dynamic engine's meter)."""
+    from vllm import LLM
     options = dict(model=checkpoint, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False,
                    max_model_len=1024, kv_cache_memory_bytes=SPEC_KV_CACHE_BYTES)
 
@@ -644,55 +628,82 @@ def measure_spec_rollout(checkpoint, threads):
     dynamic = drafting(spec_config.dynamic_speculative_config(
         spec_config.build_mtp_speculative_config("mtp", SPEC_MAX_DRAFT_TOKENS)))
     meters = {k: spec_config.SpecDecodeMeter(engine) for k, engine in fixed.items() if k}
-    dynamic_meter = spec_config.SpecDecodeMeter(dynamic)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return fixed, dynamic, meters, spec_config.SpecDecodeMeter(dynamic)
 
-    def seeded_params(count, rollout):
-        # One seed per (rollout, sequence): every engine's rollout number r draws the same
-        # random numbers, so two engines at the same k sample the same tokens and accept the
-        # same drafts. A sampled digit off the count makes the drafts after it miss: at 8
-        # sequences one such rollout in four ran 25-50% slower, unseeded.
-        return [SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=SPEC_NEW_TOKENS, ignore_eos=True,
-                               seed=rollout * SPEC_SEED_STRIDE + sequence) for sequence in range(count)]
 
-    check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=train_grpo.ACCEPTANCE_CHECK_TOKENS,
+def seeded_params(count, rollout):
+    """One seed per (rollout, sequence): every engine's rollout number r draws the same
+    random numbers, so two engines at the same k sample the same tokens and accept the
+    same drafts. A sampled digit off the count makes the drafts after it miss: at 8
+    sequences one such rollout in four ran 25-50% slower, unseeded."""
+    from vllm import SamplingParams
+    return [SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=SPEC_NEW_TOKENS, ignore_eos=True,
+                           seed=rollout * SPEC_SEED_STRIDE + sequence) for sequence in range(count)]
+
+
+def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
+    """auto as train_grpo runs it (draft_tuner's plan and after_rollout): an acceptance check
+    at the deepest k, then rollouts at the k the tuner names until it settles; returns
+    (the k it settles on, the k tried in order, the tuner)."""
+    from vllm import SamplingParams
+    check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                   ignore_eos=True)
-    training_prompts = train_grpo.TASKS["count"]["train"]
+
+    def check():
+        spec_config.set_draft_tokens(dynamic, SPEC_MAX_DRAFT_TOKENS)
+        return dynamic_meter.read(dynamic.generate(prompts, check_params, use_tqdm=False))
+
+    tuner = draft_tuner.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
+    # Neither a second check nor a second round of tries falls in the rollouts measured here.
+    schedule = dict(check_every=10**9, tune_every=10**9)
+    draft_tokens, _ = tuner.plan(1, check, drafting=False, **schedule)
+    tried = []
+    while tuner.exploring():
+        tried.append(draft_tokens)
+        if draft_tokens:
+            spec_config.set_draft_tokens(dynamic, draft_tokens)
+        engine = dynamic if draft_tokens else fixed[0]
+        speed, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
+        tuner.after_rollout(draft_tokens, speed, dynamic_meter.read(outputs) if draft_tokens else None)
+        draft_tokens, _ = tuner.plan(1 + len(tried), check, drafting=bool(draft_tokens), **schedule)
+    return draft_tokens, tried, tuner
+
+
+def measure_spec_rollout(checkpoint, threads):
+    """Runs in a spawned process: per concurrency B, tokens/s of the same rollout (the
+    count task's training prompts, temperature 1, SPEC_NEW_TOKENS tokens, no EOS) with
+    k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (a plain and a
+    dynamic drafting engine, k chosen by `auto_draft_tokens`), each the median of
+    SPEC_REPEATS interleaved runs; the k = 3 engine's acceptance per depth; auto's tries,
+    choice and seconds to choose."""
+    from transformers import AutoTokenizer
+    torch.set_num_threads(threads)
+    spec_config.fix_cpu_draft_sampling()
+    fixed, dynamic, meters, dynamic_meter = spec_engines(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    training_prompts = tasks.TASKS["count"]["train"]
     results, started = {}, time.perf_counter()
     for concurrency in SPEC_CONCURRENCIES:
         prompts = [{"prompt_token_ids": tokenizer.encode(f"count:{training_prompts[i % len(training_prompts)]}")}
                    for i in range(concurrency)]
-        # auto as train_grpo runs it: an acceptance check at the deepest k, then rollouts at
-        # the k the tuner names until it settles. As in training, the plain engine has rolled
-        # out at this concurrency before (its first rollout is slower).
+        # As in training, the plain engine has rolled out at this concurrency before (its
+        # first rollout is slower).
         rollout_tokens_per_second(fixed[0], prompts, seeded_params(concurrency, 0))
-        tuner = spec_config.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
         start = time.perf_counter()
-        spec_config.set_draft_tokens(dynamic, SPEC_MAX_DRAFT_TOKENS)
-        tuner.observe(dynamic_meter.read(dynamic.generate(prompts, check_params, use_tqdm=False)))
-        tuner.try_each()
-        tried = []
-        while tuner.exploring():
-            tried.append(tuner.choose())
-            if tried[-1]:
-                spec_config.set_draft_tokens(dynamic, tried[-1])
-            params = seeded_params(concurrency, SPEC_REPEATS + len(tried))
-            tuner.record(tried[-1], rollout_tokens_per_second(dynamic if tried[-1] else fixed[0], prompts, params)[0])
-        auto = tuner.choose()
+        auto, tried, tuner = auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts)
         tune_seconds = time.perf_counter() - start
         if auto:
             spec_config.set_draft_tokens(dynamic, auto)
         runs = dict(fixed, auto=dynamic if auto else fixed[0])
         speeds = {name: [] for name in runs}
         for repeat in range(SPEC_REPEATS + 1):  # the first round warms up
-            params = seeded_params(concurrency, repeat)
             for name, engine in runs.items():
-                speed, outputs = rollout_tokens_per_second(engine, prompts, params)
+                speed, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(concurrency, repeat))
                 counts = meters[name].read(outputs) if name in meters else None
                 if repeat:
                     speeds[name].append(speed)
                 if repeat and name == SPEC_MAX_DRAFT_TOKENS:
-                    by_depth = spec_config.acceptance_by_depth(counts)
+                    by_depth = draft_tuner.acceptance_by_depth(counts)
         results[concurrency] = {"tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
                                 "acceptance_by_depth": by_depth, "auto": auto,
                                 "auto_tried": tried, "auto_realized": tuner.realized_speeds(),
@@ -777,7 +788,7 @@ DRAFT_VARIANTS = {"online": (), "frozen": ("--no-mtp-train",), "none": ("--no-mt
 DRAFT_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-draft-training")
 DRAFT_LAST_FRACTION = 0.2
 DRAFT_REWARD_TARGET = 0.9
-DRAFT_PLOT = os.path.join(REPO_DIR, "draft_training_cpu.png")
+DRAFT_PLOT = os.path.join(FIGURES_DIR, "draft_training_cpu.png")
 
 
 def plot_draft_training(runs, path):

@@ -23,16 +23,11 @@ start mid-sequence). Work per sequence is its length squared over cp (plus bucke
 padding: a bucket holds units with at least BUCKET_LENGTH_RATIO of its longest key
 length); no tensor spans the whole pack except the gathers in and out.
 
-Measured (forward + backward of the attention alone, 4 heads, 2 KV heads, head_dim 64,
-fp32, one thread; lognormal lengths 16..256): 24 / 64 / 128 sequences
-    dense [T, T] mask (before):           307 / 4057 / -     ms
-    one SDPA call per sequence:            18 /   47 /  97   ms
-    buckets (ratio 0.8, chosen):           21 /   60 / 134   ms
-and 96 sequences of 64 tokens: per-sequence calls 50 ms, buckets 35 ms. Per-sequence calls
-and buckets are within noise of each other on lognormal lengths; buckets win on equal
-lengths and on many short sequences (one call per bucket, not per sequence), and use no
-Python loop over sequences. torch's jagged nested-tensor SDPA has no CPU kernel that takes
-a causal mask ("No viable backend"); FlexAttention has no backward on CPU in torch 2.13.
+Per-sequence SDPA calls and buckets cost about the same on mixed lengths; buckets win on
+equal lengths and many short sequences (one call per bucket, not per sequence) and need
+no Python loop over sequences. torch's jagged nested-tensor SDPA has no CPU kernel that
+takes a causal mask; FlexAttention has no backward on CPU in torch 2.13. The measurements
+behind these choices are in docs/BENCHMARKS.md.
 
 Under CP every rank all-gathers the keys and values of the whole pack (keys and values
 as one tensor, one collective). A partial exchange would not be cheaper in wall time:
@@ -189,9 +184,7 @@ class _AllGatherSequence(torch.autograd.Function):
     shard is the sum over ranks of the gradient its slice received: a reduce-scatter.
     Both ways are pairwise exchanges with every other rank (`_exchange`), not gloo's
     all_gather_into_tensor and reduce_scatter_tensor: gloo runs the reduce-scatter as an
-    all-reduce of the whole tensor. Measured at CP 2 on [5460, 4, 64] fp32 (a layer's keys
-    and values): all-gather 3.8 ms, exchange 1.9 ms; reduce-scatter 7.9 ms, exchange and
-    add 1.6 ms.
+    all-reduce of the whole tensor (docs/BENCHMARKS.md has the timings).
     """
 
     @staticmethod

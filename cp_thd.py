@@ -42,38 +42,19 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
         input_ids: [T_total] integer tensor, the B sequences concatenated.
         seqlens: [B] integer tensor or list, each >= 1, summing to T_total.
         cp_size, cp_rank: context-parallel size and this rank's place in it.
-        tp_size, sequence_parallel: with sequence parallelism over tp > 1 ranks the local
-            token count must divide by tp; the last sequence is padded to get there.
-        pad_multiple: every padded length is also a multiple of this (e.g. 8 for FP8 kernels).
-        pad_id: token id written into padding slots.
+        tp_size, sequence_parallel: sequence parallel over tp > 1 ranks needs T_local % tp == 0.
+        pad_multiple, pad_id: every padded length is also a multiple of pad_multiple (8 for
+            FP8 kernels); padding slots hold token pad_id.
 
-    Returns a `ThdBatch`. Every padded length is the smallest multiple of
-    lcm(2*cp_size if cp_size > 1 else 1, pad_multiple) that holds the sequence, except the
-    last one, which grows by as few of those multiples as make the total divide by tp*cp
-    (sequence parallel only). That is never more padding than aligning every sequence to
-    tp*cp*2 (and pad_multiple), the usual rule.
-    T_local = sum(seqlens_padded) // cp_size.
+    Returns a `ThdBatch` of T_local = sum(seqlens_padded) // cp_size tokens. Every padded
+    length is the smallest multiple of lcm(2*cp_size if cp_size > 1 else 1, pad_multiple)
+    that holds the sequence, except the last one, which grows by as few of those multiples
+    as make the total divide by tp*cp (sequence parallel only): never more padding than
+    aligning every sequence to tp*cp*2 (and pad_multiple), the usual rule.
     """
     _check_layout(cp_size, cp_rank, tp_size, pad_multiple)
-    _check_integer_tensor("input_ids", input_ids)
-    if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D [T_total] (the sequences concatenated), "
-                         f"got shape {tuple(input_ids.shape)}")
-    device = input_ids.device
-    seqlens = torch.as_tensor(seqlens, device=device)
-    if seqlens.dim() != 1 or len(seqlens) == 0:
-        raise ValueError(f"seqlens must be 1-D [B] with B >= 1 sequence lengths, got shape {tuple(seqlens.shape)}")
-    _check_integer_tensor("seqlens", seqlens)
-    seqlens = seqlens.to(torch.int64)
-
-    multiple = math.lcm(CHUNKS_PER_RANK * cp_size if cp_size > 1 else 1, pad_multiple)
-    seqlens_padded = (seqlens + multiple - 1) // multiple * multiple
-    if sequence_parallel and tp_size > 1:
-        # T_local = total / cp must divide by tp, i.e. total by tp*cp. Both the total and
-        # this target are multiples of `multiple`, so the top-up keeps the last sequence
-        # splittable into 2*cp chunks.
-        total_multiple = math.lcm(multiple, tp_size * cp_size)
-        seqlens_padded[-1] += (-seqlens_padded.sum()) % total_multiple
+    seqlens = _checked_seqlens(input_ids, seqlens)
+    seqlens_padded = _padded_lengths(seqlens, cp_size, tp_size if sequence_parallel else 1, pad_multiple)
 
     # The local layout is 2B runs of consecutive slots (two chunks per sequence; at cp 1 the
     # sequence's two halves). Within a run, position = slot + a per-run constant, and so is
@@ -84,7 +65,6 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
     run_seqlens, run_sequence_starts = (torch.stack([v, v], 1).view(-1) for v in (seqlens, sequence_starts))
     run_starts = torch.cumsum(run_lengths, 0) - run_lengths
     run_padding = (run_starts + run_lengths + position_minus_slot - run_seqlens).clamp_(min=0).minimum(run_lengths)
-
     # The one device-to-host sync: checks the lengths and sizes the outputs together.
     shortest, total, total_padded, longest_padded, local_padding = torch.stack(
         [seqlens.min(), seqlens.sum(), seqlens_padded.sum(), seqlens_padded.max(), run_padding.sum()]).tolist()
@@ -111,33 +91,58 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
     index.index_copy_(0, padding_slot, last_position + run_sequence_starts.index_select(0, padding_run))
     local_input_ids = input_ids.index_select(0, index).index_fill_(0, padding_slot, pad_id)
     index.index_fill_(0, padding_slot, PADDING_INDEX)
+    return ThdBatch(input_ids=local_input_ids, position_ids=position_ids, index=index, seqlens=seqlens,
+                    seqlens_padded=seqlens_padded, packed_seq_params=_packed_seq_params(seqlens_padded, longest_padded),
+                    cp_size=cp_size, cp_rank=cp_rank, num_tokens=total)
+
+
+def _checked_seqlens(input_ids, seqlens):
+    """`seqlens` as [B] int64 on input_ids' device, after the shape and dtype checks."""
+    _check_integer_tensor("input_ids", input_ids)
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D [T_total] (the sequences concatenated), "
+                         f"got shape {tuple(input_ids.shape)}")
+    seqlens = torch.as_tensor(seqlens, device=input_ids.device)
+    if seqlens.dim() != 1 or len(seqlens) == 0:
+        raise ValueError(f"seqlens must be 1-D [B] with B >= 1 sequence lengths, got shape {tuple(seqlens.shape)}")
+    _check_integer_tensor("seqlens", seqlens)
+    return seqlens.to(torch.int64)
+
+
+def _padded_lengths(seqlens, cp_size, sequence_parallel_size, pad_multiple):
+    """[B] int64: each length up to a multiple of lcm(2*cp or 1, pad_multiple), the last one
+    topped up so that the local token count divides by the sequence-parallel size."""
+    multiple = math.lcm(CHUNKS_PER_RANK * cp_size if cp_size > 1 else 1, pad_multiple)
+    seqlens_padded = (seqlens + multiple - 1) // multiple * multiple
+    if sequence_parallel_size > 1:
+        # T_local = total / cp must divide by tp, i.e. total by tp*cp. Both the total and
+        # this target are multiples of `multiple`, so the top-up keeps the last sequence
+        # splittable into 2*cp chunks.
+        total_multiple = math.lcm(multiple, sequence_parallel_size * cp_size)
+        seqlens_padded[-1] += (-seqlens_padded.sum()) % total_multiple
+    return seqlens_padded
+
+
+def _packed_seq_params(seqlens_padded, longest_padded):
+    """megatron-core's PackedSeqParams ("thd") of the padded layout.
+
+    cu_seqlens_q/kv are the *padded* boundaries too, for two reasons:
+    - megatron's MTP `roll_tensor` (packed path) cuts the local tensor at
+      cu_seqlens_q // cp_size; only the padded boundaries, multiples of 2*cp, land on the
+      local sequence starts. Real boundaries would roll tokens across sequences.
+    - Transformer Engine reads cu_seqlens as "tokens that take part in attention" and
+      cu_seqlens_padded as "where each sequence sits in memory". Padding sits at the end
+      of each sequence and the mask is causal, so no real token ever attends to a padding
+      slot: treating padding as tokens leaves every real output exact. Equal tensors also
+      mean "no padding between sequences" to TE, which keeps every attention backend
+      (FlashAttention included) eligible. Real lengths stay in `ThdBatch.seqlens`.
+    """
     cu_seqlens_padded = torch.nn.functional.pad(torch.cumsum(seqlens_padded, 0), (1, 0)).to(torch.int32)
-    # cu_seqlens_q/kv are the *padded* boundaries too, for two reasons:
-    # - megatron's MTP `roll_tensor` (packed path) cuts the local tensor at
-    #   cu_seqlens_q // cp_size; only the padded boundaries, multiples of 2*cp, land on the
-    #   local sequence starts. Real boundaries would roll tokens across sequences.
-    # - Transformer Engine reads cu_seqlens as "tokens that take part in attention" and
-    #   cu_seqlens_padded as "where each sequence sits in memory". Padding sits at the end
-    #   of each sequence and the mask is causal, so no real token ever attends to a padding
-    #   slot: treating padding as tokens leaves every real output exact. Equal tensors also
-    #   mean "no padding between sequences" to TE, which keeps every attention backend
-    #   (FlashAttention included) eligible. Real lengths stay in `ThdBatch.seqlens`.
-    packed_seq_params = PackedSeqParams(
+    return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens_padded, cu_seqlens_kv=cu_seqlens_padded,
         cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
         max_seqlen_q=longest_padded, max_seqlen_kv=longest_padded,
-    )
-    return ThdBatch(
-        input_ids=local_input_ids,
-        position_ids=position_ids,
-        index=index,
-        seqlens=seqlens,
-        seqlens_padded=seqlens_padded,
-        packed_seq_params=packed_seq_params,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        num_tokens=total,
     )
 
 

@@ -65,6 +65,14 @@ def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES, form_timeout_secon
         device = torch.device("cpu")
         backend = "gloo"
         install_cpu_redirects()
+        if "LOCAL_WORLD_SIZE" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+            # torchrun sets OMP_NUM_THREADS=1 only with --nproc_per_node > 1. A process it
+            # starts alone kept torch's default (every core) for the whole run, since vLLM's
+            # CPU worker then blocks torch.set_num_threads (its own call for one thread
+            # included): its sums split over other threads than a node of two's and, on a
+            # loaded machine, came out different in the 7th digit. One thread, as torchrun
+            # gives every process of a larger node; OMP_NUM_THREADS overrides it.
+            torch.set_num_threads(1)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

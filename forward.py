@@ -137,29 +137,7 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
-    captured = []
-
-    def keep_logits(module, args, output):
-        # The output layer runs once per MTP layer, then once for the main model: the last
-        # capture is the main one. With labels, megatron's own cross entropy then works on
-        # these logits in place; hand it a copy and keep the original.
-        logits, bias = output
-        captured.append(logits)
-        return (logits.clone(), bias) if mtp_train else output
-
-    hook = model.output_layer.register_forward_hook(keep_logits)
-    try:
-        # Labels only serve the MTP loss (log-probs are computed below): without them a
-        # patched model skips its MTP layers (see mtp_patch.py; megatron <= 0.16 needs it).
-        model(input_ids=batch.input_ids[None],
-              position_ids=batch.position_ids[None] if mtp_train else None,
-              attention_mask=None,
-              labels=local_labels[None] if mtp_train else None,
-              loss_mask=local_mask[None] if mtp_train else None,
-              packed_seq_params=batch.packed_seq_params)
-    finally:
-        hook.remove()
-    logits = captured[-1][:, 0].float() / temperature  # [T_local, vocab/tp]
+    logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
 
     # Entropy first: megatron's vocab-parallel cross entropy overwrites its input in place.
     entropy = vocab_parallel_entropy(logits) if with_entropy else None
@@ -174,3 +152,31 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
         entropy = batch.unpack(entropy, cp_group=cp_group) if entropy is not None else None
         local_mask = loss_mask
     return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch)
+
+
+def _main_logits(model, batch, local_labels, local_mask, mtp_train):
+    """[T_local, vocab/tp] logits of the main model, from the output layer's forward (with
+    MTP training on the model's forward also builds the MTP loss)."""
+    captured = []
+
+    def keep_logits(module, args, output):
+        # The output layer runs once per MTP layer, then once for the main model: the last
+        # capture is the main one. With labels, megatron's own cross entropy then works on
+        # these logits in place; hand it a copy and keep the original.
+        logits, bias = output
+        captured.append(logits)
+        return (logits.clone(), bias) if mtp_train else output
+
+    hook = model.output_layer.register_forward_hook(keep_logits)
+    try:
+        # Labels only serve the MTP loss (log-probs are computed by the caller): without them
+        # a patched model skips its MTP layers (see mtp_patch.py; megatron <= 0.16 needs it).
+        model(input_ids=batch.input_ids[None],
+              position_ids=batch.position_ids[None] if mtp_train else None,
+              attention_mask=None,
+              labels=local_labels[None] if mtp_train else None,
+              loss_mask=local_mask[None] if mtp_train else None,
+              packed_seq_params=batch.packed_seq_params)
+    finally:
+        hook.remove()
+    return captured[-1][:, 0]

@@ -1,6 +1,6 @@
 """mtp_patch on six megatron-core releases: the measurements behind the tests and README's table.
 
-    .venv/bin/python -m pytest test_all.py -k mtp      # runs every release, writes .cache/mtp_matrix.md
+    .venv/bin/python -m pytest test_all.py -k mtp_patch  # runs every release, writes .cache/mtp_matrix.md
 
 Each release runs in its own Python process with the release's unzipped wheel first on
 PYTHONPATH (0.17+ declare Python >= 3.12, but their pure-Python code runs on 3.11); the
@@ -301,16 +301,13 @@ def _packed_batch(vocab_size):
     }
 
 
-def _mtp_release_measurements():
-    """Every measurement on the megatron-core this process imports (run in a fresh process)."""
-    import cpu_backend
+def _release_models():
+    """(the model with 2 MTP layers, the trunk alone with the same weights, a padded batch,
+    {case: (model, its full-recompute twin, batch)}) on this process's megatron-core."""
     import tiny_model
-    from megatron.core import package_info
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
     from megatron_model import build_gpt_model
 
-    cpu_backend.init_distributed()
-    cpu_backend.init_model_parallel(seed=1234)
     config = tiny_model.mimo_config(num_mtp_layers=2)
     # megatron's own attention for padded batches; packed (THD) batches need cp_attention's.
     options = {"mtp_loss_scaling_factor": MTP_LOSS_SCALING_FACTOR, "attention": "local"}
@@ -332,6 +329,17 @@ def _mtp_release_measurements():
         packed_model.load_state_dict(model.state_dict())
         packed_recompute.load_state_dict(model.state_dict())
         recompute_cases["packed"] = (packed_model, packed_recompute, _packed_batch(config["vocab_size"]))
+    return model, reference, batch, recompute_cases
+
+
+def _mtp_release_measurements():
+    """Every measurement on the megatron-core this process imports (run in a fresh process)."""
+    import cpu_backend
+    from megatron.core import package_info
+
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=1234)
+    model, reference, batch, recompute_cases = _release_models()
 
     def measure_all():
         return {

@@ -225,8 +225,6 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
         # This forward's per-depth MTP losses (detached), for logging: None until computed.
         self.mtp_losses = None
         mtp_in_postprocess = kwargs.get("mtp_in_postprocess")
-        runtime_gather_output = kwargs.get("runtime_gather_output")
-        packed_seq_params = kwargs.get("packed_seq_params")
         output_weight = None
         if self.share_embeddings_and_output_weights:
             output_weight = self.shared_embedding_or_output_weight()
@@ -235,28 +233,8 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
         # later pipeline stage (which computes the loss) expects their outputs.
         run_mtp = bool(mtp_in_postprocess) and (labels is not None or not self.post_process)
         if run_mtp:
-            block_kwargs = dict(kwargs.get("extra_block_kwargs") or {})
-            if probes["block_takes_padding_mask"]:
-                block_kwargs["padding_mask"] = kwargs.get("padding_mask")
-            mtp_input, embedding = hidden_states, self.embedding
-            if decouple:
-                # A leaf that requires grad: a reentrant recompute checkpoint of the MTP
-                # layer returns a tensor without grad when none of its inputs requires it,
-                # and the MTP layers would then get no gradient at all.
-                mtp_input = hidden_states.detach().requires_grad_()
-                embedding = _detached(self.embedding)
-            mtp_output = self.mtp(
-                input_ids=input_ids, position_ids=position_ids, hidden_states=mtp_input,
-                attention_mask=kwargs.get("attention_mask"), inference_params=None,
-                rotary_pos_emb=kwargs.get("rotary_pos_emb"), rotary_pos_cos=kwargs.get("rotary_pos_cos"),
-                rotary_pos_sin=kwargs.get("rotary_pos_sin"), packed_seq_params=packed_seq_params,
-                sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=embedding, **block_kwargs)
-            # The block returns [its input; depth 1; ...; depth n] along the sequence; put
-            # the trunk's own hidden states (with their graph) back in front.
-            if decouple:
-                mtp_output = torch.cat([hidden_states, mtp_output[hidden_states.shape[0]:]])
-            hidden_states = mtp_output
-
+            hidden_states = _run_mtp_layers(self, hidden_states, input_ids, position_ids, kwargs,
+                                            probes["block_takes_padding_mask"], decouple)
         if not self.post_process:
             return hidden_states
 
@@ -270,35 +248,69 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
             hidden_states, self.mtp_losses = process_mtp_loss(
                 hidden_states=hidden_states, labels=labels, loss_mask=kwargs.get("loss_mask"),
                 output_layer=self.output_layer, output_weight=mtp_weight,
-                runtime_gather_output=runtime_gather_output, is_training=self.training,
+                runtime_gather_output=kwargs.get("runtime_gather_output"), is_training=self.training,
                 compute_language_model_loss=self.compute_language_model_loss, config=self.config,
-                cp_group=self.cp_group, packed_seq_params=packed_seq_params,
+                cp_group=self.cp_group, packed_seq_params=kwargs.get("packed_seq_params"),
                 scale_logits=self._scale_logits if probes["scales_logits"] else None)
-
-        output_processor = kwargs.get("output_processor")
-        if output_processor is not None:  # 0.18+: a caller-supplied logits/loss head
-            return output_processor(
-                hidden_states=hidden_states, output_layer=self.output_layer, output_weight=output_weight,
-                labels=labels, loss_mask=kwargs.get("loss_mask"), input_ids=input_ids, position_ids=position_ids,
-                attention_mask=kwargs.get("attention_mask"), decoder_input=kwargs.get("decoder_input"),
-                inference_context=None, packed_seq_params=packed_seq_params,
-                runtime_gather_output=runtime_gather_output, context=kwargs.get("output_processor_context"),
-                compute_language_model_loss=self.compute_language_model_loss, scale_logits=self._scale_logits,
-                config=self.config)
-
-        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
-        if probes["scales_logits"]:
-            logits = self._scale_logits(logits)
-        if megatron["has_config_logger_enabled"](self.config):
-            megatron["log_config_to_disk"](self.config, {
-                "input_ids": input_ids, "position_ids": position_ids, "attention_mask": kwargs.get("attention_mask"),
-                "decoder_input": kwargs.get("decoder_input"), "logits": logits}, prefix="input_and_logits")
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V]
-        return self.compute_language_model_loss(labels, logits)
+        return _output_head(self, hidden_states, input_ids, position_ids, labels, output_weight, kwargs, megatron,
+                            probes["scales_logits"])
 
     _postprocess.__wrapped__ = original
     return _postprocess
+
+
+def _run_mtp_layers(model, hidden_states, input_ids, position_ids, kwargs, block_takes_padding_mask, decouple):
+    """The MTP block on the trunk's hidden states [s, b, h] -> [trunk; depth 1; ...; depth n]
+    along the sequence. Decoupled, the block sees the trunk (hidden states and embedding)
+    without its graph, and the trunk's own hidden states keep theirs."""
+    block_kwargs = dict(kwargs.get("extra_block_kwargs") or {})
+    if block_takes_padding_mask:
+        block_kwargs["padding_mask"] = kwargs.get("padding_mask")
+    mtp_input, embedding = hidden_states, model.embedding
+    if decouple:
+        # A leaf that requires grad: a reentrant recompute checkpoint of the MTP layer
+        # returns a tensor without grad when none of its inputs requires it, and the MTP
+        # layers would then get no gradient at all.
+        mtp_input = hidden_states.detach().requires_grad_()
+        embedding = _detached(model.embedding)
+    mtp_output = model.mtp(
+        input_ids=input_ids, position_ids=position_ids, hidden_states=mtp_input,
+        attention_mask=kwargs.get("attention_mask"), inference_params=None,
+        rotary_pos_emb=kwargs.get("rotary_pos_emb"), rotary_pos_cos=kwargs.get("rotary_pos_cos"),
+        rotary_pos_sin=kwargs.get("rotary_pos_sin"), packed_seq_params=kwargs.get("packed_seq_params"),
+        sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=embedding, **block_kwargs)
+    # The block returns [its input; depth 1; ...; depth n]; put the trunk's own hidden
+    # states (with their graph) back in front.
+    if decouple:
+        mtp_output = torch.cat([hidden_states, mtp_output[hidden_states.shape[0]:]])
+    return mtp_output
+
+
+def _output_head(model, hidden_states, input_ids, position_ids, labels, output_weight, kwargs, megatron,
+                 scales_logits):
+    """The main model's head on [s, b, h]: a caller's output processor (0.18+), else the
+    output layer -> per-token loss [b, s] with labels, logits [b, s, V] without."""
+    runtime_gather_output = kwargs.get("runtime_gather_output")
+    output_processor = kwargs.get("output_processor")
+    if output_processor is not None:  # 0.18+: a caller-supplied logits/loss head
+        return output_processor(
+            hidden_states=hidden_states, output_layer=model.output_layer, output_weight=output_weight,
+            labels=labels, loss_mask=kwargs.get("loss_mask"), input_ids=input_ids, position_ids=position_ids,
+            attention_mask=kwargs.get("attention_mask"), decoder_input=kwargs.get("decoder_input"),
+            inference_context=None, packed_seq_params=kwargs.get("packed_seq_params"),
+            runtime_gather_output=runtime_gather_output, context=kwargs.get("output_processor_context"),
+            compute_language_model_loss=model.compute_language_model_loss, scale_logits=model._scale_logits,
+            config=model.config)
+    logits, _ = model.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+    if scales_logits:
+        logits = model._scale_logits(logits)
+    if megatron["has_config_logger_enabled"](model.config):
+        megatron["log_config_to_disk"](model.config, {
+            "input_ids": input_ids, "position_ids": position_ids, "attention_mask": kwargs.get("attention_mask"),
+            "decoder_input": kwargs.get("decoder_input"), "logits": logits}, prefix="input_and_logits")
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V]
+    return model.compute_language_model_loss(labels, logits)
 
 
 def _detached(embedding):
@@ -338,16 +350,9 @@ def _make_process_mtp_loss(megatron, packed_roll):
             roll_kwargs["packed_seq_params"] = packed_seq_params
         if loss_mask is None:
             loss_mask = torch.ones_like(labels)
-        # Depth k predicts labels rolled k times, under the mask rolled k times. All depths'
-        # token counts (and the unrolled one) cross the CP group in one all-reduce: one
-        # synchronisation of the ranks per forward, not one per depth and another before.
-        depth_labels, depth_masks, counts = [], [], [loss_mask.sum()]
-        for _ in range(num_layers):
-            labels, _ = roll_tensor(labels, **roll_kwargs)
-            loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
-            depth_labels.append(labels)
-            depth_masks.append(loss_mask)
-            counts.append(num_tokens)
+        # All depths' token counts (and the unrolled one) cross the CP group in one
+        # all-reduce: one synchronisation of the ranks per forward, not one per depth.
+        depth_labels, depth_masks, counts = _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs)
         original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
@@ -373,6 +378,18 @@ def _make_process_mtp_loss(megatron, packed_roll):
 
     return process_mtp_loss
 
+
+def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
+    """Depth k predicts the labels rolled k times, under the mask rolled k times: ([labels
+    per depth], [masks per depth], [unrolled token count, then each depth's]) on this rank."""
+    depth_labels, depth_masks, counts = [], [], [loss_mask.sum()]
+    for _ in range(num_layers):
+        labels, _ = roll_tensor(labels, **roll_kwargs)
+        loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
+        depth_labels.append(labels)
+        depth_masks.append(loss_mask)
+        counts.append(num_tokens)
+    return depth_labels, depth_masks, counts
 
 def _sum_over(count, group):
     """Token counts (any shape) summed over `group` (a no-op outside torch.distributed or at size 1)."""

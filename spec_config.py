@@ -28,7 +28,6 @@ import functools
 import importlib.metadata
 import json
 import logging
-import math
 import re
 from collections.abc import Mapping
 
@@ -302,26 +301,8 @@ def fix_cpu_draft_sampling():
 
 
 # ---------------------------------------------------------------------------------------
-# How many tokens to draft: chosen from what this engine measures
+# Switching the number of draft tokens between rollouts (see draft_tuner.py for choosing it)
 # ---------------------------------------------------------------------------------------
-# Drafting pays when the target is deep next to its draft and the batch is small; at high
-# concurrency verifying drafts costs as much as it saves, and a draft the policy has moved
-# away from only costs. So the number of draft tokens k (0 = no drafting) is measured, not
-# assumed, and measured on the rollouts themselves: a model of a rollout's seconds from
-# timed engine steps (a first step a_k, later ones c_k, each emitting 1 + A_1 + ... + A_k
-# tokens) predicted speeds 20-30% off on a shared 2-core VM: a timing rollout of a few
-# hundred ms catches a burst of load whole, and at temperature 1 a few sequences sampled
-# off what the draft predicts make one short rollout far slower than the next. A rollout
-# lasts seconds at the real length and concurrency, and a few of them taking turns over k
-# measure each to a few percent. A_i = P(the first i drafts of a
-# verify step are accepted) moves with the policy and its MTP head every step: it is read
-# from the engine's own acceptance counts after each drafting rollout and, while nothing
-# drafts, from a small check at the deepest k every few steps; a draft the policy leaves
-# behind stops being used at the next rollout, and once A_i moved far the k are tried
-# again. Where two k run within a few percent of each other, two runs of one seed can
-# choose differently; checkpoints carry the tuner, so a resumed run continues with its
-# state.
-
 # A drafting engine's k is switched between rollouts through vLLM's dynamic speculative
 # decoding schedule (batch size -> k, `num_speculative_tokens_per_batch_size`, vLLM >= 0.32):
 # built with the deepest k, one range covering every batch size, rewritten per rollout.
@@ -355,142 +336,3 @@ def set_draft_tokens(llm, num_tokens):
         raise ValueError(f"num_tokens={num_tokens!r}: expected an int from 0 to the engine's "
                          f"num_speculative_tokens {scheduler.num_spec_tokens}")
     scheduler.dynamic_sd_lookup[1:] = [num_tokens] * (len(scheduler.dynamic_sd_lookup) - 1)
-
-
-def acceptance_by_depth(statistics):
-    """[A_1, ..., A_k] from `SpecDecodeMeter.read`'s statistics: A_i = P(the first i drafts
-    of a verify step are accepted) (acceptance stops at the first rejection, so draft i
-    accepted means all before it were), k the drafts per verify step (vLLM reports every
-    position the engine could draft); [] without verify steps."""
-    if not statistics or not statistics["num_drafts"]:
-        return []
-    depth = statistics["num_draft_tokens"] // statistics["num_drafts"]
-    return [count / statistics["num_drafts"] for count in statistics["accepted_per_position"][:depth]]
-
-
-# DraftTuner: each k tried on this many rollouts (in turns), its fastest counting (one
-# rollout's speed differs from the next by about 5%, and a burst of load slows one of
-# them); and the least a drafted token costs, as a share of a target step (one MTP layer
-# next to a 16-layer target costs more): a k whose drafts add fewer tokens per step is not
-# tried.
-TRY_ROUNDS = 3
-MIN_DRAFT_COST = 0.05
-
-
-class DraftTuner:
-    """Chooses the number of draft tokens k in 0..max_tokens whose rollouts run fastest.
-
-        tuner = DraftTuner(max_tokens=3)
-        tuner.observe(meter.read(outputs))       # after a drafting rollout or check
-        if due or tuner.is_stale(): tuner.try_each()
-        k = tuner.choose()                       # before each rollout
-        tuner.record(k, tokens / seconds)        # after it
-
-    `try_each` lines up the next rollouts: k = 0 and every k that could pay, `rounds` each
-    in turn (0, 1, 2, 3, 0, 1, 2, 3, ...); `choose` names the k of each, `record` takes its
-    tokens/s. Each k counts its fastest try (a burst of load slows one rollout, not the
-    choice), and the fastest k stays; drafting must beat no drafting by `margin` (a
-    fraction), so noise does not buy a slower rollout. Which rollouts are tries depends on
-    the acceptance alone: where one k wins clearly, a run is as reproducible as with a
-    fixed k. A k could pay only where a verify step's tokens (1 + A_1 + ... + A_k, A_i the
-    acceptance at depth i) are at least 1 + margin times its cost with each draft at
-    MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST): a random draft is not tried. Between
-    tries a rollout's speed at k follows the tokens its steps emit, so the chosen k's tried
-    speed is scaled by 1 + A_1 + ... + A_k now over then: where that falls below no
-    drafting's (a draft the policy left behind) the next rollout does not draft. `retry` (a
-    fraction): the tries are stale once the tokens a deepest-k step emits moved this much
-    since they began. Its state is plain data (`state_dict`, `load_state_dict`) for
-    checkpoints.
-    """
-
-    def __init__(self, max_tokens, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
-        for name, value in (("max_tokens", max_tokens), ("rounds", rounds)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an int >= 1")
-        self.max_tokens, self.margin, self.retry, self.rounds = max_tokens, margin, retry, rounds
-        self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
-        self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries began
-        self.schedule = []  # the k of the rollouts still to try, in order
-        self.realized = [[] for _ in range(max_tokens + 1)]  # tokens/s of the tries at each k
-        # The k the tries chose, and 1 + A_1 + ... + A_k when they ended.
-        self.chosen, self.chosen_tokens_per_step = 0, 1.0
-
-    def tokens_per_step(self, draft_tokens):
-        """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
-        return 1 + sum(self.acceptance[:draft_tokens])
-
-    def observe(self, statistics):
-        """Take the acceptance of a rollout or check that drafted k tokens: A_1..A_k are
-        replaced, deeper ones (from an earlier, deeper measurement) are capped at A_k."""
-        measured = acceptance_by_depth(statistics)[:self.max_tokens]
-        if not measured:
-            return
-        self.acceptance[:len(measured)] = measured
-        for depth in range(len(measured), self.max_tokens):
-            self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
-
-    def try_each(self):
-        """Line up the tries of k = 0 and every k that could pay at the current acceptance
-        (none where no drafting k could: then k = 0)."""
-        candidates = [0] + [k for k in range(1, self.max_tokens + 1)
-                            if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
-        self.schedule = candidates * self.rounds if len(candidates) > 1 else []
-        self.realized = [[] for _ in range(self.max_tokens + 1)]
-        self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
-        self.chosen, self.chosen_tokens_per_step = 0, 1.0
-
-    def exploring(self):
-        """Whether the next rollouts are tries (at the k `choose` names, for `record`)."""
-        return bool(self.schedule)
-
-    def is_stale(self):
-        """Whether the acceptance moved so far since the tries began that their speeds no longer hold."""
-        return (self.tried_tokens_per_step is not None
-                and abs(self.tokens_per_step(self.max_tokens) - self.tried_tokens_per_step)
-                > self.retry * self.tried_tokens_per_step)
-
-    def record(self, draft_tokens, tokens_per_second):
-        """The tokens/s of a rollout at `draft_tokens`, the k `choose` named. Outside the tries
-        nothing is kept: the machine's speed drifts over minutes, so only rollouts taking
-        turns are compared."""
-        if not self.schedule:
-            return
-        if draft_tokens != self.schedule[0]:
-            raise ValueError(f"draft_tokens={draft_tokens!r}: expected {self.schedule[0]}, the k choose() named for "
-                             "this rollout")
-        if not (tokens_per_second > 0 and math.isfinite(tokens_per_second)):
-            raise ValueError(f"tokens_per_second={tokens_per_second!r}: expected a positive finite speed")
-        self.realized[self.schedule.pop(0)].append(tokens_per_second)
-        if not self.schedule:  # k = 0 was tried first: every speed is relative to its
-            speeds = self.realized_speeds()
-            best = max(range(len(speeds)), key=lambda k: speeds[k] or 0.0)
-            self.chosen = best if speeds[best] >= 1 + self.margin else 0
-            self.chosen_tokens_per_step = self.tokens_per_step(self.chosen)
-
-    def realized_speeds(self):
-        """[each k's fastest try relative to k = 0's, None where not tried], None before k = 0's."""
-        if not self.realized[0]:
-            return None
-        return [max(speeds) / max(self.realized[0]) if speeds else None for speeds in self.realized]
-
-    def choose(self):
-        """The k of the next rollout: the next try, else the fastest tried (0 where nothing
-        was tried, or the acceptance since scales it below no drafting)."""
-        if self.schedule:
-            return self.schedule[0]
-        if not self.chosen:
-            return 0
-        scaled = self.realized_speeds()[self.chosen] * self.tokens_per_step(self.chosen) / self.chosen_tokens_per_step
-        return self.chosen if scaled >= 1 else 0
-
-    def state_dict(self):
-        return {name: getattr(self, name) for name in self._STATE}
-
-    def load_state_dict(self, state):
-        if state["max_tokens"] != self.max_tokens:
-            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']}, this tuner has {self.max_tokens}")
-        for name in self._STATE:
-            setattr(self, name, state[name])
-
-    _STATE = ("max_tokens", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step", "schedule", "realized",
-              "chosen", "chosen_tokens_per_step")

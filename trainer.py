@@ -1,0 +1,275 @@
+"""The train phase of GRPO on Megatron-Core: one rollout batch -> optimizer steps.
+
+    policy = build_policy(model_dir, settings, device)     # GPTModel shard + DDP + Adam
+    sums = train(policy, samples, settings)                # --ppo-epochs x --mini-batches steps
+    metrics = reduce_metrics(sums, device)                 # the step's values, same on every rank
+
+A sample is one completion: {prompt_ids, response_ids (lists of ints), advantages [R]
+fp32, rollout_logprobs (R floats, the rollout engine's)}. Each micro-batch is packed THD
+(forward.forward_logprobs: cp_thd zigzag under context parallel), its loss is
+grpo_loss's, normalised over the global token or sequence count so that megatron-core's
+DDP sum of gradients over data x context parallel ranks is the mean. The MTP loss
+(--mtp-train) rides on the same backward pass. A non-finite loss or gradient norm stops
+every rank before the optimizer touches the weights, so the last checkpoint stays good.
+
+`settings` is any object with the attributes named in the code (train_grpo's resolved
+flags): lr, grad_clip, tp, cp, bf16, kl_coef, mtp_train, mtp_rollout, temperature,
+loss_agg, clip_low, clip_high, dual_clip, tis_cap, entropy_coef, mtp_loss_scale,
+micro_batches, mini_batches, ppo_epochs. Imports torch, megatron-core and the project's
+forward, grpo_loss, cpu_backend, megatron_model and weight_sync.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+import grpo_loss
+import weight_sync
+from cpu_backend import cuda_on_cpu
+from forward import forward_logprobs
+from megatron_model import build_gpt_model
+
+ADAM_EPS = 1e-8
+
+
+# ---------------------------------------------------------------------------------------
+# The policy: Megatron model, DDP, optimizer
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Policy:
+    """The trainer's side: the GPTModel shard, megatron-core's DDP wrapper around it and its
+    optimizer, and the frozen reference model for the KL term (None without --kl-coef)."""
+    model: torch.nn.Module
+    ddp_model: torch.nn.Module
+    optimizer: object
+    reference: torch.nn.Module = None
+
+
+def build_optimizer(model, lr, grad_clip):
+    """megatron-core's DDP wrapper (bucketed gradient all-reduce over data x context
+    parallel ranks into fp32 `main_grad` buffers) and its Adam (fp32 master weights for a
+    bf16 model, global gradient-norm clipping); returns (ddp_model, optimizer).
+
+    Freeze parameters before calling: DDP allocates buffers for the trainable ones only.
+    """
+    ddp_model = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=False))
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99,
+                             adam_eps=ADAM_EPS, clip_grad=grad_clip, bf16=model.config.bf16,
+                             params_dtype=model.config.params_dtype)
+    with cuda_on_cpu():
+        return ddp_model, get_megatron_optimizer(config, [ddp_model])
+
+
+def build_policy(model_dir, settings, device):
+    """The policy from `model_dir`'s weights (and the reference model when --kl-coef > 0)."""
+    def load(mtp):
+        model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=settings.tp, context_parallel=settings.cp,
+                                params_dtype=torch.bfloat16 if settings.bf16 else torch.float32).to(device)
+        weight_sync.load_hf_into_megatron(model, model_dir)
+        return model
+
+    model = load(mtp=settings.mtp_train)
+    reference = load(mtp=False).eval() if settings.kl_coef > 0 else None
+    if settings.mtp_train and settings.mtp_rollout:
+        # Megatron's MTP layer reads the trunk's hidden state after the final norm, vLLM's
+        # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
+        # only while the final norm's weight is uniform. Keep it as it is.
+        model.decoder.final_layernorm.weight.requires_grad_(False)
+    return Policy(model, *build_optimizer(model, settings.lr, settings.grad_clip), reference)
+
+
+# ---------------------------------------------------------------------------------------
+# The train phase: old log-probs, micro-batch losses, optimizer steps, metric sums
+# ---------------------------------------------------------------------------------------
+
+def pack_micro_batch(samples, device):
+    """Samples -> packed tensors on `device`: input_ids [T] int64, seqlens [B] int64, and
+    loss_mask, advantages, rollout_logprobs, old_logprobs [T] fp32, each at the position
+    that predicts its response token (position i predicts token i + 1); old_logprobs is
+    None until `record_old_logprobs` has settings."""
+    sequences = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    seqlens = torch.tensor([len(ids) for ids in sequences])
+    input_ids = torch.tensor([token for ids in sequences for token in ids])
+    with_old = "old_logprobs" in samples[0]
+    loss_mask, advantages, rollout_logprobs, old_logprobs = (torch.zeros(len(input_ids)) for _ in range(4))
+    offset = 0
+    for sample, length in zip(samples, seqlens.tolist()):
+        first, last = offset + len(sample["prompt_ids"]) - 1, offset + length - 1
+        loss_mask[first:last] = 1.0
+        advantages[first:last] = sample["advantages"]
+        rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
+        if with_old:
+            old_logprobs[first:last] = sample["old_logprobs"]
+        offset += length
+    # Built on the host, moved once.
+    packed = [tensor.to(device) for tensor in (input_ids, seqlens, loss_mask, advantages, rollout_logprobs)]
+    return packed + [old_logprobs.to(device) if with_old else None]
+
+
+@torch.no_grad()
+def record_old_logprobs(policy, samples, settings):
+    """Set each sample's "old_logprobs" ([response length] fp32, on the host): its response
+    log-probs under the current weights, the policy that sampled it, at Megatron's numerics.
+    One no-grad forward per micro-batch, before the first update."""
+    per_micro = len(samples) // (settings.mini_batches * settings.micro_batches)
+    device = next(policy.model.parameters()).device
+    for start in range(0, len(samples), per_micro):
+        micro = samples[start:start + per_micro]
+        input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
+        logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
+                                    temperature=settings.temperature, gather=True).logprobs.float().cpu()
+        for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
+            sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
+
+
+def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums):
+    """Forward one micro-batch; returns its loss (a scalar: its share of the global mean)
+    and adds its metric sums (over this rank's tokens) into `sums` by name."""
+    device = next(policy.model.parameters()).device
+    input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = pack_micro_batch(samples, device)
+    weights = grpo_loss.token_weights(loss_mask, seqlens, settings.loss_agg, num_sequences, num_tokens)
+    out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=settings.temperature,
+                           with_entropy=True, mtp_train=settings.mtp_train)
+    batch, local_mask = out.batch, out.loss_mask
+    # One optimizer step per rollout batch: this forward is the policy that sampled it.
+    old_logprobs = out.logprobs.detach() if old_logprobs is None else batch.pack(old_logprobs)
+    local_rollout, local_weights = batch.pack(rollout_logprobs), batch.pack(weights)
+    per_token, acted = grpo_loss.policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages),
+                                             clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                             dual_clip=settings.dual_clip, tis_cap=settings.tis_cap)
+    loss = (per_token * local_weights).sum()
+    if settings.entropy_coef > 0:
+        loss = loss - settings.entropy_coef * (out.entropy * local_weights).sum()
+    if policy.reference is not None:
+        with torch.no_grad():
+            reference_logprobs = forward_logprobs(policy.reference, input_ids, seqlens, loss_mask=loss_mask,
+                                                  temperature=settings.temperature).logprobs
+        k3 = grpo_loss.k3_kl(out.logprobs, reference_logprobs) * local_mask
+        loss = loss + settings.kl_coef * (k3 * local_weights).sum()
+        sums["kl_to_reference"] += float((k3 * local_mask).sum())
+    sums["total_loss"] += float(loss.detach())
+    sums["mtp_loss"] += float(out.mtp_loss) / settings.micro_batches if out.mtp_loss is not None else 0.0
+    add_token_metrics(sums, out, old_logprobs, local_rollout, acted, local_mask)
+    return loss
+
+
+def add_token_metrics(sums, out, old_logprobs, rollout_logprobs, acted, mask):
+    """Add one micro-batch's per-token metric sums (clips, ratio, approx KL, entropy,
+    vLLM-vs-Megatron mismatch) over its loss tokens into `sums`."""
+    mismatch = (old_logprobs - rollout_logprobs).abs() * mask
+    log_ratio = out.logprobs.detach() - old_logprobs
+    ratio = torch.exp(log_ratio)
+    sums["clip_fraction"] += float(((acted["clip_low"] + acted["clip_high"]) * mask).sum())
+    for name in acted:
+        sums[f"{name}_fraction"] += float((acted[name] * mask).sum())
+    sums["ratio_mean"] += float((ratio * mask).sum())
+    # k3 estimate of KL(old || current): CleanRL's approx_kl.
+    sums["approx_kl"] += float(((ratio - 1 - log_ratio) * mask).sum())
+    if mask.any():
+        sums["ratio_min"] = min(sums["ratio_min"], float(ratio[mask > 0].min()))
+        sums["ratio_max"] = max(sums["ratio_max"], float(ratio[mask > 0].max()))
+    sums["entropy"] += float((out.entropy.detach() * mask).sum())
+    sums["logprob_mismatch_mean"] += float(mismatch.sum())
+    sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], float(mismatch.max()))
+    sums["tokens"] += float(mask.sum())
+
+
+def train_step(policy, samples, settings):
+    """One optimizer step on this data-parallel rank's share of a mini-batch; returns the
+    metric sums of this rank by name (see `combine_steps`, `reduce_metrics`) and the
+    global grad_norm."""
+    dp_size = parallel_state.get_data_parallel_world_size()
+    per_micro = len(samples) // settings.micro_batches
+    device = next(policy.model.parameters()).device
+    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples))], device=device)
+    dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+    # The MTP loss is a mean per micro-batch and rank; gradients are summed over both.
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(settings.mtp_loss_scale / (settings.micro_batches * dp_size), device=device))
+    policy.ddp_model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
+    for start in range(0, len(samples), per_micro):
+        loss = micro_batch_loss(policy, samples[start:start + per_micro], len(samples) * dp_size, num_tokens,
+                                settings, sums)
+        # Every rank stops together, before the optimizer touches the weights: the last
+        # checkpoint on disk stays the last good one.
+        finite = torch.isfinite(loss.detach()).float().view(1)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            raise FloatingPointError(f"non-finite loss at micro-batch {start // per_micro} (this rank: "
+                                     f"{loss.item()}); stopping with the last checkpoint in --out intact")
+        loss.backward()
+    policy.ddp_model.finish_grad_sync()
+    # DDP averages over data x context parallel ranks; the loss is normalised globally
+    # (token_weights), so the gradient wanted is the sum.
+    policy.ddp_model.scale_gradients(parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    with cuda_on_cpu():
+        _, grad_norm, _ = policy.optimizer.step()
+    if not math.isfinite(grad_norm):
+        # megatron's fp32 / bf16 step does not skip non-finite gradients: stop before
+        # anything is saved, so the last checkpoint on disk stays the last good one.
+        raise FloatingPointError(f"non-finite gradient norm {grad_norm}; stopping with the last checkpoint in "
+                                 "--out intact")
+    return dict(sums, grad_norm=grad_norm)
+
+
+def train(policy, samples, settings):
+    """The train phase: --ppo-epochs passes over this rank's samples, each in --mini-batches
+    optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
+    if settings.ppo_epochs * settings.mini_batches > 1:
+        # Every step after the first sees moved weights: its ratio must be against the
+        # policy that sampled the batch.
+        record_old_logprobs(policy, samples, settings)
+    per_mini = len(samples) // settings.mini_batches
+    return combine_steps([train_step(policy, samples[start:start + per_mini], settings)
+                          for _ in range(settings.ppo_epochs) for start in range(0, len(samples), per_mini)])
+
+
+# How each train metric is combined over optimizer steps (`combine_steps`) and over data x
+# context parallel ranks (`reduce_metrics`, each rank holds a share of the tokens).
+TOKEN_MEAN_METRICS = ("clip_fraction", "entropy", "logprob_mismatch_mean", "kl_to_reference", "clip_low_fraction",
+                      "clip_high_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl")
+STEP_MEAN_METRICS = ("mtp_loss", "total_loss")
+SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens",) + STEP_MEAN_METRICS
+MAXED_METRICS = ("logprob_mismatch_max", "ratio_max")
+MINNED_METRICS = ("ratio_min",)
+# Where a max or min starts before the first token.
+METRIC_START = {"logprob_mismatch_max": 0.0, "ratio_max": -math.inf, "ratio_min": math.inf}
+
+
+def combine_steps(steps):
+    """Metric sums of several optimizer steps -> one set: token sums add up, the MTP and
+    total losses and grad_norm average over steps, maxima and minima stay extremes."""
+    combined = {name: sum(step[name] for step in steps) for name in TOKEN_MEAN_METRICS + ("tokens",)}
+    combined.update({name: sum(step[name] for step in steps) / len(steps)
+                     for name in STEP_MEAN_METRICS + ("grad_norm",)})
+    combined.update({name: max(step[name] for step in steps) for name in MAXED_METRICS})
+    combined.update({name: min(step[name] for step in steps) for name in MINNED_METRICS})
+    return combined
+
+
+def reduce_metrics(sums, device):
+    """Per-rank sums by name -> the step's values: token means, the MTP loss averaged over
+    data-parallel ranks (each rank's is its share of its data-parallel rank's mean), the
+    total loss summed (it is normalised globally), extremes; grad_norm is already global."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    summed = torch.tensor([sums[name] for name in SUMMED_METRICS], device=device)
+    dist.all_reduce(summed, group=group)
+    totals = dict(zip(SUMMED_METRICS, summed))
+    metrics = {name: (totals[name] / totals["tokens"].clamp(min=1)).item() for name in TOKEN_MEAN_METRICS}
+    metrics["mtp_loss"] = totals["mtp_loss"].item() / parallel_state.get_data_parallel_world_size()
+    metrics["total_loss"] = totals["total_loss"].item()
+    for names, op in ((MAXED_METRICS, dist.ReduceOp.MAX), (MINNED_METRICS, dist.ReduceOp.MIN)):
+        extremes = torch.tensor([sums[name] for name in names], device=device, dtype=torch.float64)
+        dist.all_reduce(extremes, op=op, group=group)
+        metrics.update(zip(names, extremes.tolist()))
+    metrics["grad_norm"] = sums["grad_norm"]
+    return metrics
