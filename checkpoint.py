@@ -1,32 +1,44 @@
 """Checkpoints that a killed run cannot corrupt, and the choice of the one to resume from.
 
+    lock = lock_out(out) if rank == 0 else None                    # one run per folder
     layout = {"world_size": 2, "tp": 1, "cp": 1, "model": "..."}   # what must match to resume
     directory = choose_checkpoint(out, "auto", layout)             # None: start fresh
     state = load_rank_state(directory, rank) if directory else None
-    ...
-    save_checkpoint(out, step, {"model": ..., "optimizer": ...}, layout, keep=2, rank=rank)
+    stop = StopRequest()                                           # SIGTERM / SIGINT
+    for step in ...:
+        ...
+        if stop.agreed(device) or step % save_every == 0:
+            save_checkpoint(out, step, {"model": ..., "optimizer": ...}, layout, keep=2, rank=rank)
 
 On disk: OUT/checkpoints/step_000050/{rank0.pt, rank1.pt, ..., meta.json}. Every rank
 writes its shard into step_N.partial/, each file flushed to disk; rank 0 then writes
 meta.json (the layout, the step, each file's size) and renames the directory to step_N:
 a checkpoint directory either is complete or does not exist, and one whose files do not
-match their recorded sizes (a disk that lost writes) is skipped with a warning. `out`
-must be storage every node sees. Refusals are `CheckpointError` (a ValueError) naming
-the directory and what differs. Imports torch and the standard library.
+match their recorded sizes (a disk that lost writes) is skipped with a warning. A save
+that does not fit the disk is refused before it writes (or, where the disk fills while it
+writes, undone), naming the folder and the bytes it needs; the checkpoint before it stays.
+`out` must be storage every node sees. Refusals are `CheckpointError` (a ValueError)
+naming the directory and what differs. Imports torch and the standard library.
 """
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_META = "meta.json"
+LOCK_FILE = ".lock"
+# What a save writes beyond its tensors' bytes (pickled structure, meta.json), at least.
+SAVE_OVERHEAD_BYTES = 2**20
 # Set by the fault-tolerance tests: "PHASE:STEP" makes the last rank SIGKILL itself there,
 # on torchrun's first attempt only (PHASE: sync, before the step's weight push; save,
 # after writing its file, before the checkpoint is published).
@@ -34,7 +46,53 @@ KILL_AT_ENV = "TRAIN_GRPO_KILL_AT"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed; the message names it and why."""
+    """A checkpoint that cannot be resumed or saved; the message names it and why."""
+
+
+def lock_out(out):
+    """Hold OUT/.lock for the life of this process (keep the returned file open): a second
+    run on the same folder is refused, naming the first. An flock, so the kernel releases
+    it when the holder dies: a crashed or killed run leaves no stale lock."""
+    os.makedirs(out, exist_ok=True)
+    lock = open(os.path.join(out, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that wrote nothing yet"
+        lock.close()
+        raise CheckpointError(f"--out {out} is in use by another run ({holder}); wait for it to end or pass "
+                              "another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+               + " ".join(sys.argv))
+    lock.flush()
+    return lock
+
+
+class StopRequest:
+    """SIGTERM and SIGINT (what a scheduler sends before preemption, and Ctrl-C) as a request
+    to stop at the next step boundary with a checkpoint, instead of dying mid-step.
+
+    `agreed(device)` (collective: every rank calls it once per step) is the number of the
+    signal any rank received, 0 for none: every rank stops at the same step, also when
+    only one was signalled. Under torchrun the agent forwards its SIGTERM to the workers
+    and gives them 30 s before SIGKILL; a step and a save take a few seconds.
+    """
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.signum = 0
+        for signum in signals:
+            signal.signal(signum, self._request)
+
+    def _request(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self, device):
+        received = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        return int(received.item())
 
 
 def fault_point(phase, step):
@@ -53,10 +111,13 @@ def write_synced(path, write):
     os.replace(path + ".tmp", path)
 
 
-def save_checkpoint(out, step, state, layout, keep, rank):
+def save_checkpoint(out, step, state, meta, keep, rank):
     """Every rank writes `state` (its shard: any torch.save-able dict) into step_N.partial/;
-    rank 0 publishes step_N with meta.json (`layout`, the step, the file sizes) and keeps
-    the newest `keep`. Collective: every rank calls it."""
+    rank 0 publishes step_N with meta.json (`meta`: the layout and anything JSON the run
+    wants to find again, plus the step and the file sizes) and keeps
+    the newest `keep`. Collective: every rank calls it. Where a shard does not fit its
+    disk (checked before writing, and any write error), every rank raises CheckpointError
+    and step_N.partial/ is removed: the checkpoints before it stay as they were."""
     root = os.path.join(out, CHECKPOINTS_DIR)
     final = os.path.join(root, f"step_{step:06d}")
     staging = final + ".partial"
@@ -64,18 +125,56 @@ def save_checkpoint(out, step, state, layout, keep, rank):
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     dist.barrier()
-    write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
+    needed, free = state_bytes(state) + SAVE_OVERHEAD_BYTES, shutil.disk_usage(staging).free
+    error = None if needed <= free else "not enough free space"
+    if error is None:
+        try:
+            write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
+        except (OSError, RuntimeError) as write_error:
+            # torch.save's zip writer turns a failed write into a RuntimeError while it closes.
+            cause = write_error if isinstance(write_error, OSError) else write_error.__context__
+            error = getattr(cause, "strerror", None) or str(write_error)
     fault_point("save", step)
-    dist.barrier()
+    _refuse_unless_saved(error, needed, free, staging, step, rank)
     if rank == 0:
         files = {name: os.path.getsize(os.path.join(staging, name)) for name in sorted(os.listdir(staging))}
-        meta = dict(layout, step=step, files=files)
-        write_synced(os.path.join(staging, CHECKPOINT_META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        published = dict(meta, step=step, files=files)
+        write_synced(os.path.join(staging, CHECKPOINT_META),
+                     lambda f: f.write(json.dumps(published, indent=1).encode()))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         for old in checkpoint_dirs(root)[keep:]:
             shutil.rmtree(old)
     dist.barrier()
+
+
+def state_bytes(state):
+    """The bytes of every tensor in a nested state (dicts, lists, tuples): what torch.save
+    writes, less its small pickled structure."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
+
+
+def _refuse_unless_saved(error, needed, free, staging, step, rank):
+    """Collective: where any rank's shard was not written, remove the partial checkpoint and
+    raise on every rank, naming the folder, the bytes the save needs and those free."""
+    failed = torch.tensor([float(error is not None), float(needed)], dtype=torch.float64)
+    dist.all_reduce(failed)
+    if not failed[0]:
+        return
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    previous = checkpoint_dirs(os.path.dirname(staging))
+    raise CheckpointError(
+        f"the step {step} checkpoint did not fit: {os.path.dirname(staging)} needs about {int(failed[1])} bytes for "
+        f"it ({needed} for this rank's shard), {free} bytes are free there ({int(failed[0])} rank(s) could not "
+        f"write{': ' + error if error else ''}); free some space or pass another --out. Kept "
+        + (f"{previous[0]}, the last complete checkpoint" if previous else "no checkpoint (none was complete)"))
 
 
 def checkpoint_dirs(root):
@@ -102,8 +201,16 @@ def checkpoint_problem(directory):
     return None
 
 
-def resume_problems(out, resume):
-    """Why `resume` ("auto", "never" or a directory) cannot be used with `out`: [messages]."""
+def out_problems(out, resume):
+    """Why `out` cannot hold this run, or `resume` ("auto", "never" or a directory) cannot
+    be used with it: [messages], before anything is written."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return [f"--out {out!r} is a file; expected a folder for metrics.jsonl, checkpoints/ and final/"]
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return [f"--out {out!r}: {existing} is read-only; expected a folder this run can write"]
     if resume == "never" and checkpoint_dirs(os.path.join(out, CHECKPOINTS_DIR)):
         return [f"--resume never: {os.path.join(out, CHECKPOINTS_DIR)} holds checkpoints of an earlier run; "
                 "expected a fresh --out (or --resume auto to continue it)"]
@@ -130,8 +237,7 @@ def choose_checkpoint(out, resume, layout):
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"train_grpo.py: warning: checkpoint {directory} skipped: {problem}", file=sys.stderr, flush=True)
             continue
-        with open(os.path.join(directory, CHECKPOINT_META)) as f:
-            saved = json.load(f)
+        saved = read_meta(directory)
         different = {key: (saved[key], value) for key, value in layout.items() if saved[key] != value}
         if different:
             raise CheckpointError(f"--resume {resume}: {directory} was saved with " + ", ".join(
@@ -143,6 +249,12 @@ def choose_checkpoint(out, resume, layout):
         raise CheckpointError(f"--resume {resume!r}: no complete checkpoint there; expected a checkpoint dir "
                               f"(OUT/checkpoints/step_N) or a run's OUT/checkpoints")
     return None
+
+
+def read_meta(directory):
+    """A complete checkpoint's meta.json as a dict (layout, step, files, and what the run saved with it)."""
+    with open(os.path.join(directory, CHECKPOINT_META)) as f:
+        return json.load(f)
 
 
 def load_rank_state(directory, rank):

@@ -28,6 +28,8 @@ from megatron.core.transformer import TransformerConfig
 # layers). Set explicitly: up to megatron-core 0.15 the default is None and the MTP loss
 # divides by it.
 DEFAULT_MTP_LOSS_SCALING_FACTOR = 0.1
+# The Hugging Face architectures this builder (and weight_sync's name map) reproduces.
+SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM",)
 
 
 def load_hf_config(model):

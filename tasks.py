@@ -30,6 +30,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
 import random
 
@@ -77,8 +78,13 @@ def read_rows(path, flag="--data"):
         import pyarrow.parquet  # only a Parquet file needs it
         return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
     rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(f"{flag} {path}: row {number} is not UTF-8 text (byte {raw[error.start]:#04x} at "
+                                 f"column {error.start + 1}); expected UTF-8 JSON lines") from None
             if not line.strip():
                 continue
             try:
@@ -88,15 +94,18 @@ def read_rows(path, flag="--data"):
     return rows
 
 
+ABSENT = object()  # `lookup`'s answer for a key a record does not have (None is a JSON null)
+
+
 def lookup(record, key):
     """`record`'s value under `key`, a column name or a dotted path into nested dicts
-    ("reward_model.ground_truth"); None when absent."""
+    ("reward_model.ground_truth"); ABSENT when there is none."""
     if key in record:
         return record[key]
     value = record
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            return None
+            return ABSENT
         value = value[part]
     return value
 
@@ -122,14 +131,19 @@ def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None, flag="--
         if not isinstance(record, dict):
             raise InputError(f"{where} is {type(record).__name__}, expected an object of named fields")
         prompt = lookup(record, prompt_key)
-        if prompt is None:
+        if prompt is ABSENT:
             raise InputError(f"{where} has no key {prompt_key!r} (--prompt-key)")
         if not isinstance(prompt, str) and not is_chat(prompt):
             raise InputError(f"{where}: {prompt_key!r} is {str(prompt)[:80]!r}; expected a string or a list of "
                              "{role, content} chat messages")
-        answer = next((value for value in (lookup(record, key) for key in answer_keys) if value is not None), None)
-        if answer is None:
+        if not (prompt.strip() if isinstance(prompt, str) else any(m["content"].strip() for m in prompt)):
+            raise InputError(f"{where}: {prompt_key!r} is empty; expected a prompt with some text")
+        key, answer = next(((key, value) for key, value in ((key, lookup(record, key)) for key in answer_keys)
+                            if value is not ABSENT), (None, ABSENT))
+        if answer is ABSENT:
             raise InputError(f"{where} has no key {' nor '.join(map(repr, answer_keys))} (--answer-key)")
+        if answer is None:
+            raise InputError(f"{where}: {key!r} is null; expected a string or a number as the answer")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise InputError(f"{where}: answer {str(answer)[:80]!r} is {type(answer).__name__}; expected a string "
                              "or a number")
@@ -278,11 +292,31 @@ def _user_credits(reward_function, reward_spec, sample):
     except Exception as error:
         raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights changed") \
             from error
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    values = reward_values(value, where)
     if isinstance(value, (list, tuple)) and len(values) != len(sample["response_ids"]):
         raise InputError(f"{where} returned {len(values)} per-token rewards for {len(sample['response_ids'])} "
                          "response tokens; expected one per token or a single float")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise InputError(f"{where} returned {value!r}; expected a finite float or a list of them; stopped before "
-                         "the weights changed")
+    return values
+
+
+def reward_values(value, where):
+    """A reward function's return value as [floats]: a real number (numpy's included) or a
+    list of them, each finite; a bool, None, a string or anything else is an InputError."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise InputError(f"{where} returned {value!r} ({type(value).__name__}); expected a finite float or a list "
+                         "of them; stopped before the weights changed")
     return [float(v) for v in values]
+
+
+def try_reward(reward_spec, example):
+    """Call the user's reward once, before any work, on `example` with its own answer as the
+    response: a reward that raises or returns no number is refused now, not at step 1."""
+    reward_function = load_reward_function(reward_spec)
+    where = f"--reward {reward_spec} on prompt {str(example['prompt'])[:80]!r}, response {example['answer'][:80]!r}"
+    try:
+        value = reward_function(example["prompt"], example["answer"], example["answer"])
+    except Exception as error:
+        raise InputError(f"{where} (the example's own answer, tried before any work) raised "
+                         f"{type(error).__name__}: {error}") from error
+    reward_values(value, where)

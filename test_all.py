@@ -15,10 +15,12 @@ import importlib.metadata
 import json
 import logging
 import math
+import multiprocessing
 import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -1201,6 +1203,49 @@ def test_tasks_count_answers_and_credits_each_digit_that_follows_the_one_before(
         tasks.digit_successors(MergesDigits(), 1)
 
 
+def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
+    def refusal(path, **keys):
+        with pytest.raises(tasks.InputError) as refused:
+            tasks.load_examples(str(path), **keys)
+        return str(refused.value)
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert refusal(empty) == f"--data {empty}: no examples"
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "caf\xe9", "answer": "c"}\n')
+    assert refusal(latin) == (f"--data {latin}: row 2 is not UTF-8 text (byte 0xe9 at column 16); expected UTF-8 "
+                              "JSON lines")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "  ", "answer": "c"}\n')
+    assert refusal(blank) == f"--data {blank}: row 2: 'prompt' is empty; expected a prompt with some text"
+    silent_chat = tmp_path / "silent_chat.jsonl"
+    silent_chat.write_text(json.dumps({"prompt": [{"role": "user", "content": ""}], "answer": "c"}) + "\n")
+    assert refusal(silent_chat).endswith("row 1: 'prompt' is empty; expected a prompt with some text")
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"prompt": "a", "answer": null}\n')
+    assert refusal(null) == f"--data {null}: row 1: 'answer' is null; expected a string or a number as the answer"
+    # A reward's value: a number (numpy's too) is taken; a bool, None or a string is not.
+    path = tmp_path / "values.py"
+    path.write_text("import numpy\n"
+                    "def numpy_half(prompt, response, answer):\n    return numpy.float32(0.5)\n"
+                    "def a_bool(prompt, response, answer):\n    return response == answer\n"
+                    "def nothing(prompt, response, answer):\n    pass\n"
+                    "def text(prompt, response, answer):\n    return '1.0'\n"
+                    "def needs_digits(prompt, response, answer):\n    return float(response)\n")
+    sample = {"example": {"prompt": "p", "answer": "x"}, "text": "x", "response_ids": [7]}
+    assert tasks.credit_function(None, reward_spec=f"{path}:numpy_half")(sample) == [0.5]
+    for name, shown in (("a_bool", "True (bool)"), ("nothing", "None (NoneType)"), ("text", "'1.0' (str)")):
+        with pytest.raises(tasks.InputError, match=re.escape(f"returned {shown}; expected a finite float")):
+            tasks.credit_function(None, reward_spec=f"{path}:{name}")(sample)
+        # ... and before any work: tried once on the first example, its answer as the response.
+        with pytest.raises(tasks.InputError, match=re.escape(f"returned {shown}")):
+            tasks.try_reward(f"{path}:{name}", {"prompt": "p", "answer": "x"})
+    with pytest.raises(tasks.InputError, match="tried before any work\\) raised ValueError: could not convert"):
+        tasks.try_reward(f"{path}:needs_digits", {"prompt": "p", "answer": "x"})
+    tasks.try_reward(f"{path}:numpy_half", {"prompt": "p", "answer": "x"})
+
+
 def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARD_FILE)
@@ -1310,6 +1355,75 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     kept = checkpoint.keep_records(str(out / "metrics.jsonl"), 4)
     assert [r["step"] for r in kept] == [1, 2, 3, 4]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def _hold_lock_and_die(out):
+    checkpoint.lock_out(out)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_checkpoint_lock_refuses_a_second_run_and_a_killed_one_leaves_none(tmp_path):
+    out = str(tmp_path / "run")
+    held = checkpoint.lock_out(out)
+    # Another holder of the folder (flock: another open file, here in the same process).
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"--out {re.escape(out)} is in use by another run \(pid {os.getpid()} on "):
+        checkpoint.lock_out(out)
+    held.close()
+    # A holder killed with SIGKILL leaves nothing stuck: the kernel drops its lock.
+    process = multiprocessing.get_context("spawn").Process(target=_hold_lock_and_die, args=(out,))
+    process.start()
+    process.join(PROCESS_TIMEOUT_SECONDS)
+    assert process.exitcode == -signal.SIGKILL
+    checkpoint.lock_out(out).close()
+
+
+def test_checkpoint_out_that_is_a_file_or_read_only_is_refused(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert checkpoint.out_problems(str(a_file), "auto") == [
+        f"--out {str(a_file)!r} is a file; expected a folder for metrics.jsonl, checkpoints/ and final/"]
+    assert checkpoint.out_problems(str(tmp_path / "new" / "run"), "auto") == []
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)]).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        assert checkpoint.out_problems(str(read_only / "run"), "auto") == [
+            f"--out {str(read_only / 'run')!r}: {read_only} is read-only; expected a folder this run can write"]
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)
+
+
+# The disk for the full-disk test: room for the tiny model's first checkpoint (2 shards of
+# 23.7 MB: weights and Adam state) and not for a second beside it.
+SMALL_DISK = "80m"
+FULL_DISK_RUN = ("--steps", "4", "--save-every", "2", "--keep-checkpoints", "1", "--prompts-per-step", "2",
+                 "--eval-every", "4", "--num-speculative-tokens", "1", "--no-tensorboard")
+
+
+def test_checkpoint_full_disk_is_refused_naming_the_folder_and_the_last_one_stays(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        out, root = str(disk / "run"), str(disk / "run" / "checkpoints")
+        process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                  "train_grpo.py", "--out", out, *FULL_DISK_RUN], cwd=REPO_DIR, capture_output=True,
+                                 text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+        assert process.returncode != 0
+        said = re.search(r"the step 4 checkpoint did not fit: (\S+) needs about (\d+) bytes for it .*; free some "
+                         r"space or pass another --out\. Kept (\S+), the last complete checkpoint", process.stderr)
+        assert said, process.stderr[-3000:]
+        assert said[1] == root and said[3] == os.path.join(root, "step_000002")
+        assert int(said[2]) >= sum(os.path.getsize(os.path.join(said[3], f"rank{r}.pt")) for r in range(2))
+        assert os.listdir(root) == ["step_000002"] and checkpoint.checkpoint_problem(said[3]) is None
+        # What the same command resumes from (the signal test runs such a resume).
+        layout = train_grpo.run_layout(_settings(["--out", out, *FULL_DISK_RUN]), world_size=2)
+        assert checkpoint.choose_checkpoint(out, "auto", layout) == said[3]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2196,7 +2310,6 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
 # ---------------------------------------------------------------------------------------
 
 
-
 TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
 
 
@@ -2493,6 +2606,12 @@ def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
                                                            no_mtp]), 2) == [
         f"--builtin-model deep: only used without --model (this run has --model {no_mtp!r})",
         "--count-step 2: only read with --task count"]
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2}))
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", str(llama)]), 2) == [
+        f"--model {str(llama)!r}: architecture LlamaForCausalLM is not one this project builds; expected "
+        "MiMoForCausalLM"]
     missing = str(tmp_path / "missing")
     assert train_grpo.flag_problems(train_grpo.parse_args(["--model", missing, "--resume", missing]), 2) == [
         f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",
@@ -2725,6 +2844,102 @@ def test_train_grpo_tensorboard_holds_every_number_of_metrics_jsonl(verl_parquet
         # TensorBoard keeps scalars in fp32.
         assert [(e.step, e.value) for e in events.Scalars(key)] == [
             (r["step"], float(numpy.float32(r[key]))) for r in records if key in r], key
+
+
+SIGNAL_RUN = ("--steps", "16", "--prompts-per-step", "2", "--eval-every", "16", "--save-every", "100",
+              "--num-speculative-tokens", "1")
+
+
+def _start_until(command, out, steps):
+    """train_grpo.py under torchrun, left running once metrics.jsonl holds `steps` steps:
+    (the agent's Popen, its psutil Process, its two workers)."""
+    import psutil
+    path = os.path.join(out, "metrics.jsonl")
+    agent = subprocess.Popen(command, cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + PROCESS_TIMEOUT_SECONDS
+    while not os.path.exists(path) or len(open(path).read().splitlines()) < steps:
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[1][-3000:]
+        time.sleep(0.1)
+    workers = psutil.Process(agent.pid).children()
+    assert len(workers) == 2
+    return agent, psutil.Process(agent.pid), workers
+
+
+def _stopped_at(agent, signum, out):
+    """The step a signalled run stopped after (said once, its status non-zero), checked
+    against metrics.jsonl and the newest checkpoint; returns (step, stdout)."""
+    stdout, stderr = agent.communicate(timeout=PROCESS_TIMEOUT_SECONDS)
+    stopped = re.search(rf"train_grpo\.py: stopped by {signum.name} after step (\d+); its checkpoint is in", stderr)
+    assert agent.returncode != 0 and stopped and stderr.count("stopped by") == 1, stderr[-3000:]
+    step = int(stopped[1])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, step + 1))
+    newest = checkpoint.checkpoint_dirs(os.path.join(out, "checkpoints"))[0]
+    assert newest.endswith(f"step_{step:06d}") and checkpoint.checkpoint_problem(newest) is None
+    return step, stdout
+
+
+def test_train_grpo_signals_stop_every_rank_at_one_step_saved_and_the_same_command_resumes(tmp_path):
+    """SIGINT to one worker alone, then a scheduler's SIGTERM to torchrun (which forwards it
+    to every worker): each time every rank stops after the same step and saves it; the same
+    command resumes from there (and is stopped again), every step logged once; a second run
+    on the same --out meanwhile is refused, naming the first."""
+    out = str(tmp_path / "run")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py", "--out", out,
+               *SIGNAL_RUN]
+    first, agent, workers = _start_until(command, out, steps=2)
+    # Paused (so it cannot finish meanwhile), the first run still holds --out.
+    for process in (agent, *workers):
+        process.suspend()
+    second = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    for process in (agent, *workers):
+        process.resume()
+    workers[-1].send_signal(signal.SIGINT)
+    holder = re.search(rf"--out {re.escape(out)} is in use by another run \(pid (\d+) on ", second.stderr)
+    assert second.returncode != 0 and holder and int(holder[1]) in {w.pid for w in workers}, second.stderr[-3000:]
+    interrupted, _ = _stopped_at(first, signal.SIGINT, out)
+    resumed, agent, _ = _start_until(command, out, steps=interrupted + 1)
+    agent.send_signal(signal.SIGTERM)
+    terminated, stdout = _stopped_at(resumed, signal.SIGTERM, out)
+    assert f"resumed from {os.path.join(out, 'checkpoints', f'step_{interrupted:06d}')} (step {interrupted})" in \
+        stdout and interrupted < terminated < 16
+
+
+def test_train_grpo_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):
+    out = uninterrupted_run[0]
+    directory = os.path.join(out, "checkpoints", "step_000005")
+    same = ["--out", out, *SHORT_RUN]
+    assert train_grpo.resume_flag_changes(directory, _settings(same)) == ""
+    assert train_grpo.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"])) == \
+        "--steps 8 (was 5), --lr 0.0001 (was 0.0003)"
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg",
+                                                                    "seq-mean-token-sum", "--lr", "1e-4"]))
+    assert str(refused.value.code) == (
+        f"train_grpo.py: --resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
+        "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
+        "and another --out")
+
+
+def _optimizer_after_resume(checkpoint_dir, directory):
+    """train_grpo.load_state into a policy built with another learning rate: the lr of each
+    param group after it, and whether a tuner of another depth was left alone."""
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    model = build_gpt_model(checkpoint_dir)
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, 3e-4, 1.0))
+    tuner = draft_tuner.DraftTuner(max_tokens=2)
+    torch.save({"model": model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": 7,
+                "draft_tuner": draft_tuner.DraftTuner(max_tokens=3).state_dict()}, os.path.join(directory, "rank0.pt"))
+    resumed = trainer.Policy(model, *trainer.build_optimizer(model, 1e-4, 1.0))
+    step = train_grpo.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
+    return step, [group["lr"] for group in resumed.optimizer.param_groups], tuner.max_tokens
+
+
+def test_train_grpo_resumed_optimizer_takes_the_new_lr(tiny_checkpoint, tmp_path):
+    step, rates, depth = run_in_processes(_optimizer_after_resume, args=(tiny_checkpoint, str(tmp_path)))[0]
+    assert step == 7 and rates and all(rate == 5e-5 for rate in rates) and depth == 2
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 
@@ -53,13 +54,19 @@ import tiny_model  # noqa: E402
 import trainer  # noqa: E402
 import weight_sync  # noqa: E402
 from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel  # noqa: E402
-from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, load_hf_config  # noqa: E402
+from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config  # noqa: E402
 
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
 DEFAULT_MAX_POSITIONS = 4096
 BUILTIN_MODELS_DIR = "runs"
+# What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
+# logs, its length and the optimizer's step size. Any other flag makes it another run.
+RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
+                     "verbose", "lr", "grad_clip", "micro_batches", "mtp_rollout", "num_speculative_tokens",
+                     "max_speculative_tokens", "tune_every", "acceptance_check_every", "check_draft_every",
+                     "spec_config", "gpu_memory_utilization", "kv_cache_bytes")
 
 
 def usage_error(message):
@@ -286,7 +293,7 @@ def layout_problems(args, world_size):
         spec_config.build_mtp_speculative_config("mtp", deepest, args.spec_config)
     except (TypeError, ValueError, RuntimeError) as error:
         problems.append(f"--spec-config {args.spec_config!r}: {error}")
-    return problems + checkpoint.resume_problems(args.out, args.resume)
+    return problems + checkpoint.out_problems(args.out, args.resume)
 
 
 def data_problems(args):
@@ -323,6 +330,10 @@ def data_problems(args):
 def model_problems(args, hf_config):
     """Flags that must fit the model's config.json."""
     where = args.model or f"the built-in {builtin_model(args)[0]} model"
+    architectures = hf_config.get("architectures") or []
+    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        return [f"--model {args.model!r}: architecture {', '.join(architectures) or '(none in config.json)'} is not "
+                f"one this project builds; expected {' or '.join(SUPPORTED_ARCHITECTURES)}"]
     problems = []
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
@@ -366,13 +377,34 @@ def check_args(args, world_size):
     return resolve(args, model_config(args))
 
 
+def resume_flag_changes(resume_dir, run_settings):
+    """The flags this run sets otherwise than the checkpoint it resumes (saved in its
+    meta.json): those RESUME_MAY_CHANGE allows as a description ("" for none); any other
+    is a refusal naming each, then and now."""
+    saved = checkpoint.read_meta(resume_dir).get("flags", {})
+    changed = {name: (saved[name], value) for name, value in vars(run_settings).items()
+               if name in saved and saved[name] != value}
+
+    def described(names):
+        return ", ".join(f"--{name.replace('_', '-')} {changed[name][1]} (was {changed[name][0]})" for name in names)
+    refused = [name for name in changed if name not in RESUME_MAY_CHANGE]
+    if refused:
+        raise usage_error(f"--resume {run_settings.resume}: {resume_dir} is another run: {described(refused)}; "
+                          "resume with the values it was saved with, or pass --resume never and another --out")
+    return described(changed)
+
+
 def load_inputs(run_settings):
     """Before any process group: (training pool, held-out set), each checked."""
     s = run_settings
 
     def load(path, flag):
         return tasks.load_examples(path, s.prompt_key, s.answer_key, flag) if path else None
-    return tasks.split_examples(load(s.data, "--data"), load(s.eval_data, "--eval-data"), s.seed, s.task, s.count_step)
+    examples, held_out = tasks.split_examples(load(s.data, "--data"), load(s.eval_data, "--eval-data"), s.seed,
+                                              s.task, s.count_step)
+    if s.reward:
+        tasks.try_reward(s.reward, examples[0])
+    return examples, held_out
 
 
 # ---------------------------------------------------------------------------------------
@@ -463,6 +495,7 @@ class Run:
     held_out: list
     start_step: int
     model_dir: str
+    lock: object = None  # rank 0's hold on OUT/.lock
 
 
 def header(run, args):
@@ -487,6 +520,7 @@ def start(run_settings, resume_dir, examples, held_out):
     """Process group, tokenizer, policy, engines and checkpoint: the run before step 1."""
     s = run_settings
     rank, world_size, device = init_distributed()
+    lock = lock_out(s.out, rank)
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     # The built-in model is written once and cached; only rank 0 writes it.
@@ -508,21 +542,40 @@ def start(run_settings, resume_dir, examples, held_out):
         dtype="bfloat16" if s.bf16 else "float32", rollout_tp=s.rollout_tp, seed=s.seed, temperature=s.temperature,
         max_model_len=s.max_positions, spec_overrides=s.spec_config, gpu_memory_utilization=s.gpu_memory_utilization,
         kv_cache_bytes=s.kv_cache_bytes)
-    start_step = load_state(resume_dir, policy, engines, rank) if resume_dir else 0
+    start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
-               model_dir)
+               model_dir, lock)
 
 
-def load_state(directory, policy, engines, rank):
+def lock_out(out, rank):
+    """Rank 0 holds OUT/.lock for the run (checkpoint.lock_out); every rank stops, before any
+    model exists, when another run holds it."""
+    lock, problem = None, None
+    if rank == 0:
+        try:
+            lock = checkpoint.lock_out(out)
+        except checkpoint.CheckpointError as error:
+            problem = str(error)
+    problem = broadcast(problem)
+    if problem:
+        raise usage_error(problem)
+    return lock
+
+
+def load_state(directory, policy, engines, rank, lr):
     """Restore this rank's model and optimizer state (and auto's draft tuner, when both this
-    run and the checkpoint have one); returns the step it was saved at. The engines
-    receive the weights when they are next used."""
+    run and the checkpoint have one of the same depth); returns the step it was saved at.
+    The optimizer continues at `lr` (a resumed run may change it). The engines receive the
+    weights when they are next used."""
     state = checkpoint.load_rank_state(directory, rank)
     policy.model.load_state_dict(state["model"])
     with cuda_on_cpu():
         policy.optimizer.load_state_dict(state["optimizer"])
-    if engines.tuner is not None and "draft_tuner" in state:
-        engines.tuner.load_state_dict(state["draft_tuner"])
+    for group in policy.optimizer.param_groups:
+        group["lr"] = lr
+    tuner = state.get("draft_tuner")
+    if engines.tuner is not None and tuner is not None and tuner["max_tokens"] == engines.tuner.max_tokens:
+        engines.tuner.load_state_dict(tuner)
     return state["step"]
 
 
@@ -531,8 +584,8 @@ def save_state(run, step):
     if run.engines.tuner is not None:
         # Its tries and acceptance: the resumed run drafts as the uninterrupted one would.
         state["draft_tuner"] = run.engines.tuner.state_dict()
-    checkpoint.save_checkpoint(run.settings.out, step, state, run_layout(run.settings, run.world_size),
-                               run.settings.keep_checkpoints, run.rank)
+    meta = dict(run_layout(run.settings, run.world_size), flags=vars(run.settings))
+    refusing(checkpoint.save_checkpoint, run.settings.out, step, state, meta, run.settings.keep_checkpoints, run.rank)
 
 
 def run_layout(run_settings, world_size):
@@ -548,7 +601,7 @@ def broadcast(value):
     return holder[0]
 
 
-def open_outputs(run, resume_dir, args):
+def open_outputs(run, resume_dir, args, changed):
     """(metrics.jsonl's path, the records kept from before the start step, a TensorBoard
     writer or None); records and writer on rank 0 only."""
     os.makedirs(run.settings.out, exist_ok=True)
@@ -557,7 +610,8 @@ def open_outputs(run, resume_dir, args):
         return metrics_path, [], None
     print(header(run, args), flush=True)
     if run.start_step:
-        print(f"resumed from {resume_dir} (step {run.start_step})", flush=True)
+        print(f"resumed from {resume_dir} (step {run.start_step})" + (f" with {changed}" if changed else ""),
+              flush=True)
     writer = run_log.open_tensorboard(run.settings.out, run.start_step) if run.settings.tensorboard else None
     return metrics_path, checkpoint.keep_records(metrics_path, run.start_step), writer
 
@@ -566,7 +620,10 @@ def main(args):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     s = check_args(args, world_size)
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
+    changed = resume_flag_changes(resume_dir, s) if resume_dir else ""
     examples, held_out = refusing(load_inputs, s)
+    # SIGTERM / SIGINT from here on: stop after the step under way, with a checkpoint.
+    stop = checkpoint.StopRequest()
     run = start(s, resume_dir, examples, held_out)
     engines, policy, tokenizer, rank = run.engines, run.policy, run.tokenizer, run.rank
     params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.data is None)
@@ -574,7 +631,7 @@ def main(args):
                                            ignore_eos=True)
     per_rank = s.prompts_per_step * s.group_size
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    metrics_path, records, writer = open_outputs(run, resume_dir, args)
+    metrics_path, records, writer = open_outputs(run, resume_dir, args, changed)
     started = time.time()
 
     for step in range(run.start_step + 1, s.steps + 1):
@@ -608,11 +665,24 @@ def main(args):
         if rank == 0:
             records.append(record)
             run_log.log_step(record, metrics_path, writer, s.steps, time.time() - started, step - run.start_step)
-        if step % s.save_every == 0 or step == s.steps:
+        stop_signal = stop.agreed(run.device)
+        if step % s.save_every == 0 or step == s.steps or stop_signal:
             save_state(run, step)
+        if stop_signal:
+            raise stopped(run, step, stop_signal)
 
     finish(run, records, writer, time.time() - started)
     return records
+
+
+def stopped(run, step, signum):
+    """The SystemExit of a run stopped by a signal after `step` (status 128 + its number, as
+    the signal itself would give), said once."""
+    if run.rank == 0:
+        print(f"train_grpo.py: stopped by {signal.Signals(signum).name} after step {step}; its checkpoint is in "
+              f"{os.path.join(run.settings.out, checkpoint.CHECKPOINTS_DIR)}, and the same command resumes from it",
+              file=sys.stderr, flush=True)
+    return SystemExit(128 + signum)
 
 
 def sleep_level(run_settings):
