@@ -13,10 +13,11 @@ in `main`'s loop:
     torchrun --nproc_per_node 2 train_grpo.py --task count          # CPU: 16-layer model, long answers
     torchrun --nproc_per_node 8 train_grpo.py --model DIR --tp 2 --cp 2 --rollout-tp 2
 
-Where each concern lives: tasks.py (built-in tasks, data files, rewards), grpo_loss.py
-(advantages, aggregation, PPO loss), forward.py (Megatron log-probs), rollout.py (vLLM
-engines), draft_tuner.py (how many tokens to draft), weight_sync.py (Megatron -> vLLM),
-checkpoint.py (save and resume), run_log.py (console, metrics.jsonl, TensorBoard, plots).
+Where each concern lives: tasks.py (built-in tasks, data files, rewards), rollout.py (vLLM
+engines), draft_tuner.py (how many tokens to draft), grpo_loss.py (advantages, aggregation,
+PPO loss), trainer.py (the Megatron train step), forward.py (Megatron log-probs),
+weight_sync.py (Megatron -> vLLM), checkpoint.py (save, resume, signals, the --out lock),
+run_log.py (console, metrics.jsonl, TensorBoard, plots).
 Metrics: OUT/metrics.jsonl, TensorBoard under OUT/tensorboard, curves.png and
 acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in OUT/final.
 """
