@@ -70,15 +70,18 @@ TESTED_FILES = sorted(name[:-3] for name in os.listdir(REPO_DIR) if name.endswit
     + ["setup", "gpu_check"]
 
 
-def test_all_names_select_one_module_each(request):
-    names = [item.name for item in request.session.items if item.name != request.node.name]
-    assert len(names) > 1
-    for name in names:
+def test_all_names_select_one_module_each():
+    tests = {name: test for name, test in globals().items() if name.startswith("test_") and callable(test)}
+    del tests["test_all_names_select_one_module_each"]
+    assert len(tests) > 50
+    for name, test in tests.items():
         assert any(name.startswith(f"test_{module}_") for module in TESTED_FILES), name
-    for module in TESTED_FILES:
         # pytest -k matches a substring of the name, parameters included, in any case.
-        strays = [name for name in names if module in name.lower() and not name.startswith(f"test_{module}_")]
-        assert strays == [], (module, strays)
+        parameters = [str(value) for mark in getattr(test, "pytestmark", []) if mark.name == "parametrize"
+                      for value in mark.args[1]]
+        said = " ".join([name, *parameters]).lower()
+        strays = [module for module in TESTED_FILES if module in said and not name.startswith(f"test_{module}_")]
+        assert strays == [], (name, strays)
 
 
 # ---------------------------------------------------------------------------------------
