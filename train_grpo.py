@@ -590,10 +590,11 @@ def save_state(run, step):
 
 
 def run_layout(run_settings, world_size):
-    """What a checkpoint must match to be resumed: the process layout and the model."""
+    """What a checkpoint must match to be resumed: the process layout and the model (from
+    the resolved settings)."""
     s = run_settings
     return {"world_size": world_size, "tp": s.tp, "cp": s.cp, "rollout_tp": s.rollout_tp,
-            "model": os.path.abspath(s.model) if s.model else f"built-in {builtin_model(s)[0]}"}
+            "model": os.path.abspath(s.model) if s.model else f"built-in {s.builtin_model}"}
 
 
 def broadcast(value):
