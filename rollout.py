@@ -34,7 +34,7 @@ import spec_config
 import weight_sync
 from tasks import SEED_STRIDE, prompt_token_ids
 
-PROBE_PROMPT = "repeat:a"
+PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
 # Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
 STALE_DRAFT_AT_ENV = "TRAIN_GRPO_STALE_DRAFT_AT"
@@ -141,8 +141,9 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank):
     """All of the step's examples -> (samples, outputs): `params.n` completions per
     example, in example order, on every rank; `outputs` are this engine's RequestOutputs.
 
-    A sample is {example, prompt_ids, response_ids, text, rollout_logprobs}; `prompt_ids`
-    are the ids vLLM reports it sampled from: the trainer trains on exactly those.
+    A sample is {example, prompt_ids, response_ids, text, rollout_logprobs, truncated};
+    `prompt_ids` are the ids vLLM reports it sampled from (the trainer trains on exactly
+    those); `truncated`: the completion hit max_tokens before its end-of-sequence token.
     """
     num_engines = dist.get_world_size() // rollout_tp
     engine, engine_rank = rank // rollout_tp, rank % rollout_tp
@@ -155,7 +156,8 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank):
             mine.append({"example": example, "prompt_ids": list(output.prompt_token_ids),
                          "response_ids": list(completion.token_ids), "text": completion.text,
                          "rollout_logprobs": [step[token].logprob for step, token in
-                                              zip(completion.logprobs, completion.token_ids)]})
+                                              zip(completion.logprobs, completion.token_ids)],
+                         "truncated": completion.finish_reason == "length"})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine if engine_rank == 0 else [])
     # Back in example order: engine g sampled examples g, g + num_engines, ...
@@ -167,11 +169,14 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank):
     return ordered, outputs
 
 
-def seed_engine(seed, step, rank, rollout_tp):
+def seed_engine(seed, step, rank, rollout_tp, sampling_round=0):
     """Seed the engine's sampling (torch's generator in this process) from (seed, step,
-    engine): step s's rollout depends on those and the weights alone, so a run resumed
-    from a checkpoint samples what the uninterrupted run sampled."""
-    torch.manual_seed((seed * SEED_STRIDE + step) * SEED_STRIDE + rank // rollout_tp)
+    sampling round, engine): step s's rollout depends on those and the weights alone, so a
+    run resumed from a checkpoint samples what the uninterrupted run sampled."""
+    step_seed = seed * SEED_STRIDE + step
+    if sampling_round:
+        step_seed = step_seed * SEED_STRIDE + sampling_round
+    torch.manual_seed(step_seed * SEED_STRIDE + rank // rollout_tp)
 
 
 def all_engines_statistics(engines, statistics, rank):
@@ -230,27 +235,26 @@ def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, c
     return checked, engines.tuner.exploring()
 
 
-def generate(engines, model, tokenizer, examples, step, params, seed, rank, sleep_level):
+def generate(engines, model, tokenizer, examples, step, params, seed, rank, sampling_round=0):
     """The rollout phase: completions from the active engine (brought up to the weights
     after step - 1), the draft acceptance of every engine's rollout (None without
-    drafting); on a GPU vLLM then sleeps at `sleep_level` so the trainer gets its memory.
-    While auto tries each k in turn, the rollout's tokens/s goes to its tuner."""
+    drafting). While auto tries each k in turn, the first round's tokens/s goes to its
+    tuner; dynamic sampling's later rounds (`sampling_round` > 0) sample on their own seeds
+    and leave the tuner alone. On a GPU the caller then puts vLLM to sleep (Engines.sleep)."""
     engine = engines.active()
     push_weights(engines, engine, model, step - 1)
-    seed_engine(seed, step, rank, engines.rollout_tp)
+    seed_engine(seed, step, rank, engines.rollout_tp, sampling_round)
     start = time.perf_counter()
     samples, outputs = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank)
     tokens_per_second = None
-    if engines.tuner is not None and engines.tuner.exploring():
+    if engines.tuner is not None and engines.tuner.exploring() and not sampling_round:
         # The slowest rank's seconds, so every rank records the same speed and chooses alike.
         seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         tokens_per_second = sum(len(s["response_ids"]) for s in samples) / seconds.item()
     acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank) if engines.draft_tokens else None
-    if engines.tuner is not None:
+    if engines.tuner is not None and not sampling_round:
         engines.tuner.after_rollout(engines.draft_tokens, tokens_per_second, acceptance)
-    if torch.cuda.is_available():
-        engines.sleep(level=sleep_level)
     return samples, acceptance
 
 

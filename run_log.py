@@ -1,9 +1,10 @@
-"""What a run shows and keeps: the console, metrics.jsonl, TensorBoard and the plots.
+"""What a run shows and keeps: the console, metrics.jsonl, TensorBoard, W&B and the plots.
 
     hide_known_warnings(verbose=False)             # before megatron-core and vLLM import
     timer = PhaseTimer(); with timer("rollout"): ...
     record = step_record(step, samples, rewards, ..., timer.seconds)
-    log_step(record, metrics_path, writer, steps, seconds_so_far, steps_done)
+    writer = open_tensorboard(out, start_step); wandb_run = open_wandb(out, project, config, start_step)
+    log_step(record, metrics_path, writer, steps, seconds_so_far, steps_done, wandb_run)
     print(summary(records, seconds))
     plot_curves(records, "curves.png")
 
@@ -11,8 +12,9 @@ A quiet console: the stack's known-harmless warnings (megatron-core and vLLM on 
 without Apex, Transformer Engine or Triton; vLLM's notes on its own defaults) and vLLM's
 INFO lines and periodic engine statistics are hidden unless verbose; every error and any
 other warning still shows. Each step is one line with its rate and ETA; metrics.jsonl
-holds every value of the step (one JSON object per line), TensorBoard the numbers.
-Imports the standard library and torch; tensorboard and matplotlib where used.
+holds every value of the step (one JSON object per line), TensorBoard and Weights &
+Biases the numbers, under the same names (`scalar_metrics`) at the same step.
+Imports the standard library and torch; tensorboard, wandb and matplotlib where used.
 """
 
 import contextlib
@@ -53,6 +55,9 @@ KNOWN_VLLM_WARNINGS = (
 VLLM_LOGGER = "vllm"
 # The phases a step's tokens/s counts (evaluation is not part of producing the update).
 STEP_PHASES = ("tune", "rollout", "train", "sync")
+# Where a run keeps its W&B run id (wandb writes its own files under OUT/wandb), so that a
+# resumed run goes on logging to the same W&B run.
+WANDB_RUN_ID_FILE = os.path.join("wandb", "run_id")
 
 
 class _KnownWarnings(logging.Filter):
@@ -120,13 +125,41 @@ def open_tensorboard(out, start_step):
     return SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
 
+def scalar_metrics(record):
+    """{name: number}: every number of the record but its step, under its metrics.jsonl
+    name; what TensorBoard and W&B both get (strings, None and lists have no curve)."""
+    return {name: value for name, value in record.items()
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
 def write_tensorboard(writer, record):
-    """Every number of the record as a scalar at its step, under its metrics.jsonl name
-    (strings and None have no curve); flushed, so a crash loses no finished step."""
-    for name, value in record.items():
-        if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            writer.add_scalar(name, value, record["step"])
+    """The record's scalar_metrics at its step; flushed, so a crash loses no finished step."""
+    for name, value in scalar_metrics(record).items():
+        writer.add_scalar(name, value, record["step"])
     writer.flush()
+
+
+def open_wandb(out, project, config, start_step):
+    """A Weights & Biases run in `project` with the run's settings (`config`, a dict) and its
+    files under OUT/wandb; None without a project. A resumed run (`start_step` > 0) goes on
+    in the W&B run OUT recorded (WANDB_RUN_ID_FILE). W&B's steps only increase: where the
+    earlier run logged past `start_step`, W&B's server keeps those values and drops the
+    replayed steps' (metrics.jsonl and TensorBoard keep the new ones). WANDB_MODE=offline
+    logs without a network, for `wandb sync` later."""
+    if project is None:
+        return None
+    import wandb  # only a run that asks for W&B needs it
+    id_path = os.path.join(out, WANDB_RUN_ID_FILE)
+    resumed_id = None
+    if start_step and os.path.isfile(id_path):
+        with open(id_path) as f:
+            resumed_id = f.read().strip()
+    run = wandb.init(project=project, dir=out, config=config, id=resumed_id,
+                     resume="allow" if resumed_id else None)
+    os.makedirs(os.path.dirname(id_path), exist_ok=True)
+    with open(id_path, "w") as f:
+        f.write(run.id)
+    return run
 
 
 def step_line(record, steps, eta_seconds):
@@ -143,13 +176,16 @@ def step_line(record, steps, eta_seconds):
             f"train, {record['sync_s']:.1f} sync) eta {eta_seconds / 60:.1f} min")
 
 
-def log_step(record, metrics_path, writer, steps, seconds_so_far, steps_done):
-    """Append the record to metrics.jsonl (and TensorBoard, `writer` not None) and print
-    its line, with the ETA from this process's steps so far."""
+def log_step(record, metrics_path, writer, steps, seconds_so_far, steps_done, wandb_run=None):
+    """Append the record to metrics.jsonl (and TensorBoard, `writer` not None; W&B,
+    `wandb_run` not None: the same scalar_metrics at the same step) and print its line,
+    with the ETA from this process's steps so far."""
     with open(metrics_path, "a") as f:
         f.write(json.dumps(record) + "\n")
     if writer is not None:
         write_tensorboard(writer, record)
+    if wandb_run is not None:
+        wandb_run.log(scalar_metrics(record), step=record["step"])
     print(step_line(record, steps, seconds_so_far / steps_done * (steps - record["step"])), flush=True)
 
 

@@ -1,16 +1,17 @@
 """What the policy is trained on and how it is scored: built-in tasks, data files, rewards.
 
-    examples = load_examples("train.parquet")                 # or task_examples("repeat", "abcde")
+    examples = load_examples("train.parquet")                 # or task_examples("repeat", ["ab", "ba"])
     train, held_out = split_examples(examples, None, seed=0, task=None)
     batch = sample_prompts(train, step=1, count=16, seed=0)   # the same on every rank
-    credit = credit_function(tokenizer, task=None)            # exact match; or your reward
+    credit = credit_function(tokenizer, task=None)            # exact match; or your reward, or "math"
     credits = credit(sample)                                  # [floats]: per token or one
 
 Built-in tasks (no data file), per-token credit; a random policy over the 128-token
 vocabulary earns about 1%:
-- repeat: "repeat:c" -> "ccc", a letter from a small alphabet; a token's credit is 1
-  where it equals the answer's at its place. Each answer token only has to repeat the
-  token before it: a random-init model finds it by RL alone in a few minutes on 2 cores.
+- repeat: "repeat:ab" -> "aba", a pair of letters from a small alphabet repeated to
+  the answer length; a token's credit is 1 where it equals the answer's at its place.
+  Each answer token copies the token two back: a random-init model finds the rule by RL
+  alone in a few minutes on 2 cores, and answers the held-out pairs it never trained on.
 - count: "count:7" -> the next 32 digits counting up mod `count_step`'s steps, "8901...";
   a digit earns its credit when it follows the one before it. Answers long enough to
   draft, on a model deep enough for a draft to be cheap next to a target step.
@@ -20,9 +21,14 @@ as chat messages, answer under reward_model.ground_truth); keys are column names
 dotted paths. Prompts are token ids from `prompt_token_ids`: chat messages through the
 tokenizer's chat template, so the rollout engine and the trainer see the same tokens.
 
+Rewards: `--reward math` compares the response's final answer with the example's as
+mathematics (math-verify: "#### 72", "1,000", "3/4", "\\frac{3}{4}", "\\boxed{\\sqrt{2}}"); a
+"FILE.py:FUNCTION" is your own.
+
 Every refusal is an `InputError` (a ValueError) whose message names the file, row, key
 or value and what was expected. Imports the standard library only (pyarrow for Parquet,
-when read); the tokenizer is any Hugging Face tokenizer the caller passes.
+math-verify for --reward math, when used); the tokenizer is any Hugging Face tokenizer
+the caller passes.
 """
 
 import functools
@@ -30,17 +36,29 @@ import importlib.util
 import inspect
 import json
 import math
+import multiprocessing
 import numbers
 import os
 import random
+import threading
 
-# Each built-in task: the symbols prompts are drawn from, the symbols held out for
-# evaluation (training never sees them: held-out accuracy says whether the policy learned
-# the rule or memorised answers), the answer length, and the built-in model
-# (tiny_model.BUILTIN_SIZES) and learning rate it runs with by default (the deep model's
-# 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly at 3e-4).
+# The repeat task's prompts are letter pairs: "repeat:ab" -> "aba", the pair repeated to
+# the answer length. The pairs held out for evaluation are combinations no training prompt
+# has, of letters every training prompt uses (each letter once first, once second): a
+# policy that learned the rule (copy the letter two back) answers them, one that memorised
+# twenty answers does not.
+REPEAT_LETTERS = "abcde"
+REPEAT_HELD_OUT = tuple(REPEAT_LETTERS[i] + REPEAT_LETTERS[(i + 2) % len(REPEAT_LETTERS)]
+                        for i in range(len(REPEAT_LETTERS)))
+# Each built-in task: the symbols (repeat: letter pairs, count: digits) its prompts are drawn
+# from, those held out for evaluation (training never samples them), the answer length, and
+# the built-in model (tiny_model.BUILTIN_SIZES) and learning rate it runs with by default
+# (the deep model's 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly
+# at 3e-4). count holds out digits its training never shows.
 TASKS = {
-    "repeat": {"train": "abcde", "held_out": "fghij", "length": 3, "model": "tiny", "lr": 3e-4},
+    "repeat": {"train": tuple(first + second for first in REPEAT_LETTERS for second in REPEAT_LETTERS
+                              if first + second not in REPEAT_HELD_OUT),
+               "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4},
     "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3},
 }
 DIGITS = "0123456789"
@@ -62,10 +80,11 @@ class InputError(ValueError):
 
 
 def task_examples(task, symbols, count_step=1):
-    """A built-in task's examples, one per symbol: [{prompt, answer}] strings."""
+    """A built-in task's examples, one per symbol (repeat: a letter pair, count: a digit):
+    [{prompt, answer}] strings."""
     length = TASKS[task]["length"]
     if task == "repeat":
-        return [{"prompt": f"repeat:{letter}", "answer": letter * length} for letter in symbols]
+        return [{"prompt": f"repeat:{pair}", "answer": (pair * length)[:length]} for pair in symbols]
     return [{"prompt": f"count:{digit}",
              "answer": "".join(DIGITS[(int(digit) + k * count_step) % 10] for k in range(1, length + 1))}
             for digit in symbols]
@@ -172,10 +191,12 @@ def split_examples(examples, eval_examples, seed, task, count_step=1):
     return [examples[i] for i in sorted(order[held_out:])], [examples[i] for i in sorted(order[:held_out])]
 
 
-def sample_prompts(examples, step, count, seed):
+def sample_prompts(examples, step, count, seed, sampling_round=0):
     """`count` examples for `step`, drawn from the training pool by a generator seeded by
-    (seed, step) alone: the same on every rank, and the same after a resume."""
-    step_rng = random.Random(seed * SEED_STRIDE + step)
+    (seed, step, sampling round) alone: the same on every rank, and the same after a resume.
+    Round 0 is a step's first draw; dynamic sampling's later rounds draw more."""
+    step_seed = seed * SEED_STRIDE + step
+    step_rng = random.Random(step_seed * SEED_STRIDE + sampling_round if sampling_round else step_seed)
     return [step_rng.choice(examples) for _ in range(count)]
 
 
@@ -235,13 +256,133 @@ def exact_match_reward(response, answer):
         return float(response == answer.strip())
 
 
+# --reward math: the response's final answer against the example's, compared as mathematics
+# by math-verify (Hugging Face's verifier, the one verl, NeMo-RL and TRL score math with).
+MATH_REWARD = "math"
+GSM8K_ANSWER_MARK = "####"  # GSM8K's solutions end "#### 72"; models trained on them answer so too
+# math-verify's own limits on each parse and each comparison (its defaults, and verl's):
+# sympy can work for ever on a response such as 9^{9^{9^{9}}}, and a reward must not hang.
+MATH_PARSE_TIMEOUT_S = 5
+MATH_VERIFY_TIMEOUT_S = 5
+# Off the main thread math-verify's timeouts (signal.alarm) cannot work, so the call runs in
+# a worker process, killed past this deadline: the worst case of the limits above there
+# (two parses; gold and response each parse to [expression, string]: four comparisons),
+# and 10 s more for the round trip.
+MATH_WORKER_DEADLINE_S = 2 * MATH_PARSE_TIMEOUT_S + 4 * MATH_VERIFY_TIMEOUT_S + 10
+# The worker's first start (a fresh interpreter importing math-verify and the caller's main
+# module) is not part of any call's deadline; a worker that cannot start in this long is broken.
+MATH_WORKER_START_S = 300
+
+
+def final_answer_text(text):
+    """The part of `text` that holds its final answer: the line after its last "####"
+    (GSM8K's solutions, and models trained on them), else all of it. Only that line: a
+    model that goes on after its answer (a new "Question: ...") does not change it."""
+    _, mark, tail = text.rpartition(GSM8K_ANSWER_MARK)
+    return tail.strip().split("\n", 1)[0] if mark else text
+
+
+def gold_latex(answer):
+    """An example's answer as the LaTeX math-verify extracts it from: a boxed answer as it
+    is (MATH's solutions box theirs); anything else (GSM8K's "#### 72" tail, a number, a
+    fraction, a LaTeX expression) boxed, as verl and NeMo-RL do, so it parses as one
+    expression ("1,000" is a thousand, not a list)."""
+    answer = final_answer_text(answer)
+    return answer if "\\boxed" in answer else f"\\boxed{{{answer}}}"
+
+
+def _math_match(response, answer):
+    # math-verify in this thread, with its signal-based timeouts: the main thread only.
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
+    try:
+        gold = parse(gold_latex(answer), [LatexExtractionConfig()], parsing_timeout=MATH_PARSE_TIMEOUT_S)
+        # A response may answer in plain text ("The answer is 1/2.") or in LaTeX
+        # ("\boxed{\frac{1}{2}}"): both extractions, plain first, as verl and NeMo-RL do.
+        predicted = parse(final_answer_text(response), [ExprExtractionConfig(), LatexExtractionConfig()],
+                          parsing_timeout=MATH_PARSE_TIMEOUT_S)
+        return float(bool(gold) and verify(gold, predicted, timeout_seconds=MATH_VERIFY_TIMEOUT_S))
+    except (Exception, TimeoutException):
+        # math-verify turns its own errors into "no answer", but its TimeoutException (a
+        # BaseException) escapes when the alarm fires just as a step ends, and sympy can
+        # raise on a strange expression: a response that breaks the parser scores 0.
+        return 0.0
+
+
+_math_pool = None  # the worker process of off-main-thread calls, started on first use
+_math_pool_lock = threading.Lock()
+
+
+def _math_worker():
+    # The worker, started (and waited for) on first use. Spawned, not forked: a fork of a
+    # process running torch's and vLLM's threads can deadlock on a lock one of them held.
+    global _math_pool
+    with _math_pool_lock:
+        if _math_pool is None:
+            pool = multiprocessing.get_context("spawn").Pool(1)
+            try:
+                pool.apply_async(_math_match, ("1", "1")).get(MATH_WORKER_START_S)
+            except multiprocessing.TimeoutError:
+                pool.terminate()
+                raise RuntimeError(f"--reward {MATH_REWARD}: its worker process did not start in "
+                                   f"{MATH_WORKER_START_S} s; expected a fresh Python to import math_verify and "
+                                   "this program's main module") from None
+            _math_pool = pool
+        return _math_pool
+
+
+def _math_match_in_worker(response, answer):
+    # math_reward from a thread that is not the main one: scored in the worker process's main
+    # thread (where math-verify's timeouts work); a worker past its deadline is killed (0.0).
+    global _math_pool
+    pool = _math_worker()
+    try:
+        return pool.apply_async(_math_match, (response, answer)).get(MATH_WORKER_DEADLINE_S)
+    except multiprocessing.TimeoutError:
+        with _math_pool_lock:
+            pool.terminate()
+            if _math_pool is pool:
+                _math_pool = None
+        return 0.0
+
+
+def math_reward(response, answer):
+    """--reward math: 1.0 when the response's final answer equals the example's answer as
+    mathematics (math-verify: 72 = 72.0 = "1,000" / 1000 = 1/2 = 0.5 = \\frac{1}{2}), else 0.0.
+
+    answer: GSM8K's solution ("... #### 72", the tail is the answer), a bare number or
+    fraction, a LaTeX expression, or a solution with its answer in \\boxed{...}.
+    response: the model's text; its answer is the line after its last "####", else what
+    math-verify finds ("The answer is 72.", \\boxed{...}, the last number). A response or an
+    answer that does not parse, or takes longer than math-verify's limits, scores 0.0. Safe
+    from any thread: off the main thread it runs in a spawned worker process, which imports
+    the program's main module as any spawned process does (keep its work under
+    `if __name__ == "__main__":`).
+    """
+    if threading.current_thread() is threading.main_thread():
+        return _math_match(response, answer)
+    return _math_match_in_worker(response, answer)
+
+
+def _math_reward_function(prompt, response, answer):
+    # math_reward as a --reward function is called: (prompt, response, answer).
+    return math_reward(response, answer)
+
+
 def load_reward_function(spec):
-    """"FILE.py:FUNCTION" -> the function, after checking that the file exists and imports,
-    that FUNCTION exists there, and that it takes (prompt, response, answer). Raises
-    InputError naming the file and the function."""
+    """--reward's spec -> its function, called function(prompt, response, answer):
+    MATH_REWARD ("math") gives math_reward's, once math-verify is found; "FILE.py:FUNCTION"
+    the function, after checking that the file exists and imports, that FUNCTION exists
+    there, and that it takes (prompt, response, answer). Raises InputError naming the file
+    and the function."""
+    if spec == MATH_REWARD:
+        if importlib.util.find_spec("math_verify") is None:
+            raise InputError(f"--reward {MATH_REWARD}: the math-verify package is not installed; expected it "
+                             "importable (pip install math-verify==0.9.0)")
+        return _math_reward_function
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise InputError(f"--reward {spec!r}: expected FILE.py:FUNCTION")
+        raise InputError(f"--reward {spec!r}: expected FILE.py:FUNCTION or {MATH_REWARD}")
     if not os.path.isfile(path):
         raise InputError(f"--reward {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"reward_{os.path.basename(path).rsplit('.', 1)[0]}", path)
@@ -268,9 +409,10 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None):
     credit) or a single one (a sequence reward).
 
     sample: {example: {prompt, answer}, prompt_ids, response_ids, text}. `reward_spec`
-    ("FILE.py:FUNCTION") wins; else `task` ("repeat", "count") scores per token; else
-    (a data file) exact match. A user's reward that raises or returns anything but finite
-    floats is an InputError naming the prompt, the response and the value.
+    (MATH_REWARD, or "FILE.py:FUNCTION"; load_reward_function) wins; else `task`
+    ("repeat", "count") scores per token; else (a data file) exact match. A user's reward
+    that raises or returns anything but finite floats is an InputError naming the prompt,
+    the response and the value.
     """
     if reward_spec is None:
         if task == "count":
@@ -310,8 +452,10 @@ def reward_values(value, where):
 
 
 def try_reward(reward_spec, example):
-    """Call the user's reward once, before any work, on `example` with its own answer as the
-    response: a reward that raises or returns no number is refused now, not at step 1."""
+    """Call the reward once, before any work, on `example` with its own answer as the
+    response: a reward that raises or returns no number is refused now, not at step 1, and
+    so is MATH_REWARD on an answer it does not score 1.0 against itself (one math-verify
+    cannot parse would score every response 0: a run that learns nothing)."""
     reward_function = load_reward_function(reward_spec)
     where = f"--reward {reward_spec} on prompt {str(example['prompt'])[:80]!r}, response {example['answer'][:80]!r}"
     try:
@@ -319,4 +463,7 @@ def try_reward(reward_spec, example):
     except Exception as error:
         raise InputError(f"{where} (the example's own answer, tried before any work) raised "
                          f"{type(error).__name__}: {error}") from error
-    reward_values(value, where)
+    if reward_values(value, where) != [1.0] and reward_spec == MATH_REWARD:
+        raise InputError(f"{where}: math-verify finds no answer in {example['answer'][-80:]!r} equal to itself; "
+                         "expected an answer it parses (a number, a fraction, LaTeX, \\boxed{...} or a solution "
+                         f"ending {GSM8K_ANSWER_MARK} N)")

@@ -10,6 +10,7 @@ share global state and multi-rank tests use real gloo process groups.
 import dataclasses
 import functools
 import gc
+import glob
 import http.server
 import importlib.metadata
 import json
@@ -1130,6 +1131,259 @@ def test_grpo_loss_aggregation_and_advantage_modes_by_hand():
         torch.testing.assert_close(grpo_loss.group_advantages(rewards, 4, mode), torch.tensor(advantages))
 
 
+
+EXACT = dict(atol=0.0, rtol=0.0)
+FP32 = dict(atol=1e-6, rtol=0.0)
+
+
+def _gspo_batch():
+    """Three packed sequences of 3, 3 and 2 tokens; positions 0 and 3 are prompts whose
+    log-ratios (3.0) must be ignored, as must the out-of-range sequence index 7 at 0."""
+    log_ratios = torch.tensor([3.0, 1.21, 1.0, 3.0, 2.0, 1.0, 4.0, 4.0]).log()
+    log_ratios[0] = log_ratios[3] = 3.0
+    mask = torch.tensor([0.0, 1, 1, 0, 1, 1, 1, 1])
+    index = torch.tensor([7, 0, 0, 1, 1, 1, 2, 2])
+    advantages = torch.tensor([1.0, -1, -1, 1, 1, 1, -1, -1])
+    return log_ratios, mask, index, advantages
+
+
+def test_grpo_loss_gspo_sequence_ratio_clip_and_gradient_by_hand():
+    log_ratios, mask, index, advantages = _gspo_batch()
+    logprobs, old = log_ratios.clone().requires_grad_(), torch.zeros(8)
+    args = dict(POLICY_LOSS_ARGS, tis_cap=0.0)
+    loss, acted = grpo_loss.policy_loss(logprobs, old, old, advantages, **args, loss="gspo", loss_mask=mask,
+                                        sequence_index=index, num_sequences=3)
+    # Sequence ratios (geometric means over the loss tokens): sqrt(1.21 x 1) = 1.1, A < 0: inside;
+    # sqrt(2 x 1) = 1.414, A > 0: clipped at 1.28; sqrt(4 x 4) = 4, A < 0: unclipped 4, and not
+    # capped at dual_clip 3 (GSPO has no dual clip). Token-level PPO would give
+    # 1.21, 1 | -1.28, -1 | 3, 3 instead.
+    torch.testing.assert_close(loss * mask, torch.tensor([0, 1.1, 1.1, 0, -1.28, -1.28, 4.0, 4.0]), **FP32)
+    assert (acted["clip_high"] * mask).tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    assert (acted["clip_low"] * mask).sum() == 0 and (acted["dual_clip"] * mask).sum() == 0
+    (loss * mask).sum().backward()
+    # d/d log p_t of -A x s_i,t = -A x s_i (the sequence's ratio at each of its tokens); 0 where clipped.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([0, 1.1, 1.1, 0, 0, 0, 4.0, 4.0]), **FP32)
+    ppo, _ = grpo_loss.policy_loss(log_ratios, old, old, advantages, **args)
+    assert not torch.allclose(ppo * mask, loss.detach() * mask)
+
+
+def test_grpo_loss_gspo_log_ratio_bound_and_missing_sequence_arguments():
+    # One sequence 30 nats ahead of the old policy: exp(30) would dwarf every other loss; the
+    # ratio is bounded at exp(GSPO_LOG_RATIO_BOUND) = exp(10) (and, A < 0, not clipped).
+    logprobs, old = torch.full((2,), 30.0), torch.zeros(2)
+    loss, _ = grpo_loss.policy_loss(logprobs, old, old, -torch.ones(2), **POLICY_LOSS_ARGS, loss="gspo",
+                                    loss_mask=torch.ones(2), sequence_index=torch.zeros(2, dtype=torch.int64),
+                                    num_sequences=1)
+    bound = torch.tensor(grpo_loss.GSPO_LOG_RATIO_BOUND).exp()
+    torch.testing.assert_close(loss, torch.stack([bound, bound]), **EXACT)
+    with pytest.raises(ValueError, match="loss='gspo' needs loss_mask, sequence_index and num_sequences"):
+        grpo_loss.policy_loss(logprobs, old, old, -torch.ones(2), **POLICY_LOSS_ARGS, loss="gspo")
+    with pytest.raises(ValueError, match=r"loss='grpo': expected one of \('ppo', 'gspo', 'cispo'\)"):
+        grpo_loss.policy_loss(logprobs, old, old, -torch.ones(2), **POLICY_LOSS_ARGS, loss="grpo")
+
+
+def test_grpo_loss_cispo_caps_weights_and_keeps_gradients_by_hand():
+    # Ratios 1.5, 0.5, 1.1, 2.0 against the old policy; weights capped at 1 + clip_high = 1.28,
+    # no lower bound (0.5 stays 0.5; a two-sided clamp would make it 0.8).
+    ratios = torch.tensor([1.5, 0.5, 1.1, 2.0])
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    logprobs, old = ratios.log().requires_grad_(), torch.zeros(4)
+    args = dict(POLICY_LOSS_ARGS, tis_cap=0.0)
+    loss, acted = grpo_loss.policy_loss(logprobs, old, old, advantages, **args, loss="cispo")
+    weights = torch.tensor([1.28, 0.5, 1.1, 1.28])
+    torch.testing.assert_close(loss, -weights * advantages * ratios.log(), **FP32)
+    # The weight is capped whatever the advantage's sign (TRL counts only A > 0 in its metric).
+    assert acted["clip_high"].tolist() == [1, 0, 0, 1]
+    assert acted["clip_low"].tolist() == [0, 0, 0, 0] and acted["dual_clip"].tolist() == [0, 0, 0, 0]
+    loss.sum().backward()
+    # The gradient is -sg(weight) x A at every token: the 1.5 token PPO clips away keeps -1.28.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([-1.28, -0.5, 1.1, 1.28]), **FP32)
+    ppo_logprobs = ratios.log().requires_grad_()
+    grpo_loss.policy_loss(ppo_logprobs, old, old, advantages, **args)[0].sum().backward()
+    torch.testing.assert_close(ppo_logprobs.grad, torch.tensor([0.0, -0.5, 1.1, 2.0]), **FP32)
+
+
+def test_grpo_loss_truncated_importance_sampling_weighs_every_loss_alike():
+    # On-policy (ratio 1, p = 0.5) every loss has the policy-gradient -A d log p, times the TIS
+    # weight min(p_old / p_vllm, 2): 3 -> 2, 0.5, 1. The values differ: CISPO's is -w A log p = w ln 2.
+    old = torch.full((3,), 0.5).log()
+    rollout = old - torch.tensor([3.0, 0.5, 1.0]).log()
+    tis = torch.tensor([2.0, 0.5, 1.0])
+    extra = dict(loss_mask=torch.ones(3), sequence_index=torch.tensor([0, 0, 1]), num_sequences=2)
+    values = {"ppo": -tis, "gspo": -tis, "cispo": -tis * old}
+    for loss_type, expected in values.items():
+        logprobs = old.clone().requires_grad_()
+        loss, _ = grpo_loss.policy_loss(logprobs, old, rollout, torch.ones(3), **POLICY_LOSS_ARGS, loss=loss_type,
+                                        **extra)
+        torch.testing.assert_close(loss, expected, **FP32)
+        loss.sum().backward()
+        torch.testing.assert_close(logprobs.grad, -tis, **FP32)
+        off, _ = grpo_loss.policy_loss(old, old, rollout, torch.ones(3), **dict(POLICY_LOSS_ARGS, tis_cap=0.0),
+                                       loss=loss_type, **extra)
+        torch.testing.assert_close(off, expected / tis, **FP32)
+
+
+def test_grpo_loss_ppo_default_unchanged_bit_for_bit():
+    # The pre-GSPO formula, verbatim: the default run must not change by a single bit.
+    def reference(logprobs, old, rollout, advantages, clip_low, clip_high, dual_clip, tis_cap):
+        ratio = torch.exp(logprobs - old)
+        unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+        loss = torch.maximum(unclipped, clipped)
+        dual_bound = -advantages * dual_clip
+        loss = torch.where(advantages < 0, torch.minimum(loss, dual_bound), loss)
+        return loss * torch.exp(old - rollout).clamp(max=tis_cap) if tis_cap > 0 else loss
+
+    generator = torch.Generator().manual_seed(0)
+    logprobs, advantages = torch.randn(512, generator=generator) * 2, torch.randn(512, generator=generator)
+    old = logprobs + torch.randn(512, generator=generator) * 0.5
+    rollout = old + torch.randn(512, generator=generator) * 0.3
+    extra = dict(loss_mask=torch.ones(512), sequence_index=torch.zeros(512, dtype=torch.int64), num_sequences=1)
+    for tis_cap in (0.0, 2.0):
+        args = dict(POLICY_LOSS_ARGS, tis_cap=tis_cap)
+        expected = reference(logprobs, old, rollout, advantages, **args)
+        assert torch.equal(grpo_loss.policy_loss(logprobs, old, rollout, advantages, **args)[0], expected)
+        assert torch.equal(grpo_loss.policy_loss(logprobs, old, rollout, advantages, **args, loss="ppo", **extra)[0],
+                           expected)
+    gspo, _ = grpo_loss.policy_loss(logprobs, old, rollout, advantages, **POLICY_LOSS_ARGS, loss="gspo", **extra)
+    assert not torch.equal(gspo, reference(logprobs, old, rollout, advantages, **POLICY_LOSS_ARGS))
+
+
+def test_grpo_loss_sequence_sums_by_hand():
+    index = torch.tensor([0, 2, 0, 1, 2])
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], requires_grad=True)
+    sums = grpo_loss.sequence_sums(values, index, 4, None)
+    torch.testing.assert_close(sums, torch.tensor([4.0, 4.0, 7.0, 0.0]), **EXACT)
+    assert sums.dtype == torch.float32 and not sums.requires_grad
+    columns = torch.stack([values.detach(), torch.ones(5)], dim=-1).to(torch.bfloat16)
+    seen = []
+
+    def doubling(partial):
+        seen.append((partial.shape, partial.dtype, partial.requires_grad))
+        return partial * 2
+
+    torch.testing.assert_close(grpo_loss.sequence_sums(columns, index, 3, doubling),
+                               torch.tensor([[8.0, 4.0], [8.0, 2.0], [14.0, 4.0]]), **EXACT)
+    assert seen == [((3, 2), torch.float32, False)]
+    with pytest.raises(ValueError, match=r"sequence_index of shape \(4,\): expected \(5,\)"):
+        grpo_loss.sequence_sums(values, index[:4], 3, None)
+    with pytest.raises(ValueError, match="num_sequences=0: expected an int >= 1"):
+        grpo_loss.sequence_sums(values, index, 0, None)
+    with pytest.raises(ValueError, match=r"sum_over_ranks returned shape \(1,\): expected \(3,\)"):
+        grpo_loss.sequence_sums(values, index, 3, lambda partial: partial.sum(0, keepdim=True))
+
+
+def test_grpo_loss_context_parallel_split_matches_whole_sequences():
+    # The GSPO batch split over two ranks the way THD context parallelism splits each sequence;
+    # sum_over_ranks plays the all-reduce: each rank's partial sums are recorded, then summed.
+    log_ratios, mask, index, advantages = _gspo_batch()
+    rollout = -torch.tensor([1.0, 1.5, 0.25, 1.0, 2.0, 3.0, 1.0, 0.5]).log()
+    ranks = [torch.tensor([0, 1, 4, 6]), torch.tensor([2, 3, 5, 7])]
+    args = dict(POLICY_LOSS_ARGS, tis_cap=0.0)
+
+    def run(tokens, sum_over_ranks):
+        old = torch.zeros(len(tokens))
+        loss, _ = grpo_loss.policy_loss(log_ratios[tokens], old, rollout[tokens], advantages[tokens], **args,
+                                        loss="gspo", loss_mask=mask[tokens], sequence_index=index[tokens],
+                                        num_sequences=3, sum_over_ranks=sum_over_ranks)
+        keep = grpo_loss.rollout_mask(old, rollout[tokens], mask[tokens], index[tokens], 3, "sequence", 0.5, 2.0,
+                                      sum_over_ranks)
+        return torch.stack([loss * mask[tokens], keep])
+
+    def split(sum_over_ranks_of_rank):
+        out = torch.zeros(2, 8)
+        for rank, tokens in enumerate(ranks):
+            out[:, tokens] = run(tokens, sum_over_ranks_of_rank(rank))
+        return out
+
+    partials = {}
+
+    def recording(rank):
+        def record(partial):
+            partials.setdefault(rank, []).append(partial.clone())
+            return partial
+        return record
+
+    alone = split(recording)
+    whole = run(torch.arange(8), None)
+    # Sequence 0's geometric mean p_old / p_vllm: sqrt(1.5 x 0.25) = 0.61 (kept); 1: sqrt(6) (dropped); 2: sqrt(0.5).
+    assert whole[1].tolist() == [0, 1, 1, 0, 0, 0, 1, 1]
+    def all_reduce(rank):
+        calls = iter(range(len(partials[rank])))
+
+        def reduce(partial):
+            call = next(calls)
+            return partials[0][call] + partials[1][call]
+        return reduce
+
+    reduced = split(all_reduce)
+    torch.testing.assert_close(reduced, whole, **FP32)
+    # Without the all-reduce each rank sees half a sequence and gets other ratios.
+    assert not torch.allclose(alone, whole)
+
+
+def test_grpo_loss_masked_importance_sampling_token_and_sequence_levels_by_hand():
+    # r = p_old / p_vllm. Sequence 0 (4 tokens, the first a prompt whose vLLM log-prob is -inf):
+    # 0.4, 1, 6; sequence 1 (a prompt with r = 1e6, then): 0.6, 0.45; sequence 2: 0.3, 0.8.
+    # Bounds [0.5, 5] (IcePop's).
+    ratios = torch.tensor([1.0, 0.4, 1.0, 6.0, 1e6, 0.6, 0.45, 1.0, 0.3, 0.8])
+    mask = torch.tensor([0.0, 1, 1, 1, 0, 1, 1, 0, 1, 1])
+    index = torch.tensor([99, 0, 0, 0, 1, 1, 1, 99, 2, 2])
+    old = torch.full((10,), -1.0)
+    rollout = old - ratios.log()
+    rollout[0] = -float("inf")
+    token = grpo_loss.rollout_mask(old, rollout, mask, index, 3, "token", 0.5, 5.0)
+    assert token.dtype == torch.float32
+    assert token.tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 1]
+    # Geometric means: 2.4 ** (1/3) = 1.34 (kept), sqrt(0.27) = 0.52 (kept; the product 0.27,
+    # TRL's sequence_mask, would drop it), sqrt(0.24) = 0.49 (dropped).
+    sequence = grpo_loss.rollout_mask(old, rollout, mask, index, 3, "sequence", 0.5, 5.0)
+    assert sequence.tolist() == [0, 1, 1, 1, 0, 1, 1, 0, 0, 0]
+    assert grpo_loss.rollout_mask(old, rollout, mask, index, 3, "off", 0.5, 5.0) is mask
+    # Both bounds are inclusive: low = high = 1 keeps exactly the tokens vLLM agrees on.
+    assert grpo_loss.rollout_mask(old, rollout, mask, index, 3, "token", 1.0, 1.0).tolist() == [0, 0, 1, 0, 0, 0,
+                                                                                                 0, 0, 0, 0]
+
+
+def test_grpo_loss_masked_importance_sampling_rejects_bad_arguments():
+    args = (torch.zeros(2), torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match=r"level='geometric': expected one of \('off', 'token', 'sequence'\)"):
+        grpo_loss.rollout_mask(*args, "geometric", 0.5, 5.0)
+    for low, high in ((2.0, 0.5), (0.0, 5.0), (-1.0, 5.0)):
+        with pytest.raises(ValueError, match=f"low={low}, high={high}: expected 0 < low <= high"):
+            grpo_loss.rollout_mask(*args, "token", low, high)
+
+
+def test_grpo_loss_overlong_penalty_by_hand():
+    # max_new_tokens 10, buffer 4: free up to 6 tokens, then -1/4 per token down to -1 at 10.
+    lengths = torch.tensor([0, 6, 7, 8, 10, 12])
+    penalty = grpo_loss.overlong_penalty(lengths, 10, 4, 1.0)
+    assert penalty.dtype == torch.float32
+    torch.testing.assert_close(penalty, torch.tensor([0.0, 0, -0.25, -0.5, -1, -1]), **EXACT)
+    # Beyond max_new_tokens it stays at -penalty (verl's unclamped formula would give -1.5 at 12).
+    torch.testing.assert_close(grpo_loss.overlong_penalty(lengths, 10, 4, 0.5),
+                               torch.tensor([0.0, 0, -0.125, -0.25, -0.5, -0.5]), **EXACT)
+    torch.testing.assert_close(grpo_loss.overlong_penalty(lengths, 10, 0, 1.0), torch.zeros(6), **EXACT)
+    torch.testing.assert_close(grpo_loss.overlong_penalty(lengths, 10, 10, 1.0),
+                               torch.tensor([0.0, -0.6, -0.7, -0.8, -1, -1]), **FP32)
+    with pytest.raises(ValueError, match="buffer=11: expected 0 <= buffer <= max_new_tokens=10"):
+        grpo_loss.overlong_penalty(lengths, 10, 11, 1.0)
+    with pytest.raises(ValueError, match="penalty=-1.0: expected >= 0"):
+        grpo_loss.overlong_penalty(lengths, 10, 4, -1.0)
+
+
+def test_grpo_loss_informative_groups_by_hand():
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0.5, 0.5, 0.5, 0.25])
+    assert grpo_loss.informative_groups(rewards, 4).tolist() == [True, False, True]
+    # Eight rewards of 0.1: equal, yet fp32 gives them a std of ~8e-9, so "std > 0" would keep them.
+    equal = torch.full((8,), 0.1)
+    assert equal.std() > 0
+    assert grpo_loss.informative_groups(equal, 8).tolist() == [False]
+    with pytest.raises(ValueError, match="group_size=5: expected an int >= 1 dividing the 12 rewards"):
+        grpo_loss.informative_groups(rewards, 5)
+    with pytest.raises(ValueError, match=r"rewards of shape \(6, 2\): expected \[N\]"):
+        grpo_loss.informative_groups(rewards.view(6, 2), 2)
+
+
 # ---------------------------------------------------------------------------------------
 # tasks: built-in tasks, data files, chat prompts and rewards
 # ---------------------------------------------------------------------------------------
@@ -1335,6 +1589,160 @@ def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_chec
         tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=1024, max_new_tokens=3)
 
 
+
+GSM8K_SAMPLE = os.path.join(REPO_DIR, "gsm8k_sample.jsonl")
+# The worst a pathological response may cost in the main thread: two parses and four
+# comparisons at math-verify's limits, plus slack for a loaded 2-core machine.
+MATH_WORST_CASE_S = 2 * tasks.MATH_PARSE_TIMEOUT_S + 4 * tasks.MATH_VERIFY_TIMEOUT_S + 10
+POWER_TOWER = r"\boxed{9^{9^{9^{9}}}}"  # sympy would evaluate this for ever: math-verify's timeout stops it
+GSM8K_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                  "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+MATH_SOLUTION = (r"The sides are $1$ and $1$, so the diagonal is $\sqrt{1^2 + 1^2} = \boxed{\sqrt{2}}$.")
+
+
+def test_tasks_math_reward_reads_gsm8k_answers_and_responses():
+    for response in ("#### 72", "72", "The answer is 72.", "They sold 24 + 48 = 72 clips.\n#### 72",
+                     "#### 72\n\nQuestion: Tom has 5 apples. How many does he have?", "#### 72.0"):
+        assert tasks.math_reward(response, GSM8K_SOLUTION) == 1.0, response
+    assert tasks.math_reward("72", "72") == 1.0 and tasks.math_reward("#### 72", "72") == 1.0
+    # Thousands separators on either side; GSM8K writes its answers without them, models often with.
+    assert tasks.math_reward("1,000", "1000") == 1.0
+    assert tasks.math_reward("#### 1000", "It costs 1,000.\n#### 1,000") == 1.0
+    assert tasks.math_reward("The answer is 1,000.", "#### 1000") == 1.0
+    # Wrong answers, including the question's own numbers and an answer followed by another.
+    for response in ("#### 73", "The answer is 24.", "48", "#### 7\n72"):
+        assert tasks.math_reward(response, GSM8K_SOLUTION) == 0.0, response
+
+
+def test_tasks_math_reward_compares_math_answers_as_mathematics():
+    half = r"\boxed{\frac{1}{2}}"
+    for answer in ("0.5", "1/2", r"\frac{1}{2}", half, r"\dfrac{1}{2}"):
+        assert tasks.math_reward(half, answer) == 1.0, answer
+        assert tasks.math_reward(f"So the probability is {half}.", answer) == 1.0, answer
+    assert tasks.math_reward("The answer is 1/2.", r"\frac{1}{2}") == 1.0
+    assert tasks.math_reward("3/4", r"\frac{3}{4}") == 1.0 and tasks.math_reward(r"$\frac34$", "3/4") == 1.0
+    for answer in (r"\sqrt{2}", r"\boxed{\sqrt{2}}", MATH_SOLUTION):
+        assert tasks.math_reward(r"\boxed{\sqrt{2}}", answer) == 1.0, answer
+        assert tasks.math_reward(r"\boxed{2^{1/2}}", answer) == 1.0, answer
+    for wrong in (r"\boxed{\sqrt{3}}", r"\boxed{2}", r"\boxed{\frac{1}{3}}"):
+        assert tasks.math_reward(wrong, MATH_SOLUTION) == 0.0, wrong
+    assert tasks.math_reward(r"\boxed{\frac{1}{3}}", "0.5") == 0.0
+
+
+def test_tasks_math_reward_scores_unparseable_text_zero_and_never_raises():
+    for response in ("", "I do not know.", r"\boxed{", r"\frac{", "####", "}}}{{{", "\x00\xff"):
+        score = tasks.math_reward(response, GSM8K_SOLUTION)
+        assert type(score) is float and score == 0.0, response
+    for answer in ("", "no number here", r"\boxed{}"):  # a gold answer math-verify cannot parse
+        assert tasks.math_reward("72", answer) == 0.0, answer
+    started = time.perf_counter()
+    assert tasks.math_reward(POWER_TOWER, GSM8K_SOLUTION) == 0.0
+    assert time.perf_counter() - started < MATH_WORST_CASE_S
+
+
+@pytest.fixture
+def fresh_math_worker():
+    """No worker process before the test, none left after it."""
+    def stop_worker():
+        if tasks._math_pool is not None:
+            tasks._math_pool.terminate()
+            tasks._math_pool = None
+    stop_worker()
+    yield
+    stop_worker()
+
+
+def in_thread(function, *args):
+    """function(*args)'s value and wall seconds, called from a thread that is not the main one."""
+    result = {}
+
+    def call():
+        started = time.perf_counter()
+        result["value"] = function(*args)
+        result["seconds"] = time.perf_counter() - started
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    return result["value"], result["seconds"]
+
+
+def test_tasks_math_reward_off_the_main_thread_scores_in_a_worker_and_is_cut_off(fresh_math_worker, monkeypatch):
+    # Off the main thread math-verify's signal timeouts would raise; the worker process runs them instead.
+    assert in_thread(tasks.math_reward, "#### 72", GSM8K_SOLUTION)[0] == 1.0
+    assert in_thread(tasks.math_reward, r"\boxed{0.5}", r"\frac{1}{2}")[0] == 1.0
+    assert in_thread(tasks.math_reward, "#### 73", GSM8K_SOLUTION)[0] == 0.0
+    worker = tasks._math_pool
+    score, seconds = in_thread(tasks.math_reward, POWER_TOWER, GSM8K_SOLUTION)
+    assert score == 0.0 and seconds < MATH_WORST_CASE_S and tasks._math_pool is worker  # its own timeout
+    # A worker past the deadline is killed, the call scores 0, and the next call gets a fresh worker.
+    monkeypatch.setattr(tasks, "MATH_WORKER_DEADLINE_S", 1)
+    score, seconds = in_thread(tasks.math_reward, POWER_TOWER, GSM8K_SOLUTION)
+    assert score == 0.0 and seconds < 1 + 5 and tasks._math_pool is None
+    assert in_thread(tasks.math_reward, "1/2", "0.5")[0] == 1.0 and tasks._math_pool not in (None, worker)
+
+
+def gsm8k_samples():
+    """The sample rows as the trainer scores them: {example, prompt_ids, response_ids, text}."""
+    return [{"example": example, "prompt_ids": [1, 2, 3], "response_ids": [4, 5], "text": ""}
+            for example in tasks.load_examples(GSM8K_SAMPLE)]
+
+
+def test_tasks_gsm8k_sample_rows_are_gsm8k_style_and_score_their_own_answers():
+    examples = tasks.load_examples(GSM8K_SAMPLE)
+    assert len(examples) >= 20 and len({e["prompt"] for e in examples}) == len(examples)
+    for example in examples:
+        reasoning, mark, number = example["answer"].rpartition(tasks.GSM8K_ANSWER_MARK)
+        assert mark and reasoning.strip() and number.strip().isdigit(), example
+        assert tasks.math_reward(number.strip(), example["answer"]) == 1.0, example
+        assert tasks.math_reward(example["answer"], example["answer"]) == 1.0, example
+        assert tasks.math_reward(f"#### {int(number) + 1}", example["answer"]) == 0.0, example
+
+
+def test_tasks_math_spec_goes_through_credit_function_end_to_end():
+    credit = tasks.credit_function(None, task=None, reward_spec=tasks.MATH_REWARD)  # no tokenizer needed
+    for sample in gsm8k_samples():
+        number = sample["example"]["answer"].rpartition(tasks.GSM8K_ANSWER_MARK)[2].strip()
+        sample["text"] = f"Let me think step by step.\n#### {number}"
+        assert credit(sample) == [1.0], sample
+        sample["text"] = f"The answer is {int(number) + 2}."
+        assert credit(sample) == [0.0], sample
+        sample["text"] = "I cannot solve this."
+        assert credit(sample) == [0.0], sample
+
+
+def test_tasks_math_spec_is_checked_before_any_work(monkeypatch):
+    reward = tasks.load_reward_function(tasks.MATH_REWARD)
+    assert reward("What is 3 + 4?", "#### 7", "3 + 4 = 7\n#### 7") == 1.0
+    for example in tasks.load_examples(GSM8K_SAMPLE):
+        tasks.try_reward(tasks.MATH_REWARD, example)
+    tasks.try_reward(tasks.MATH_REWARD, {"prompt": "Diagonal of a unit square?", "answer": MATH_SOLUTION})
+    with pytest.raises(tasks.InputError, match=r"--reward math on prompt 'q'.*finds no answer in 'seventy-two' "
+                                               r"equal to itself; expected an answer it parses"):
+        tasks.try_reward(tasks.MATH_REWARD, {"prompt": "q", "answer": "seventy-two"})
+    with pytest.raises(tasks.InputError, match="expected FILE.py:FUNCTION or math"):
+        tasks.load_reward_function("maths")
+    real_find_spec = tasks.importlib.util.find_spec
+    monkeypatch.setattr(tasks.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "math_verify" else real_find_spec(name, *rest))
+    with pytest.raises(tasks.InputError, match=r"--reward math: the math-verify package is not installed; "
+                                               r"expected it importable \(pip install math-verify==0.9.0\)"):
+        tasks.load_reward_function(tasks.MATH_REWARD)
+
+
+def test_tasks_and_logging_import_without_math_verify_and_wandb(tmp_path):
+    # Blocked imports (a None in sys.modules): both modules import, and only asking for them fails.
+    script = ("import sys; sys.modules['math_verify'] = sys.modules['wandb'] = None\n"
+              "import run_log, tasks\n"
+              "assert run_log.open_wandb(sys.argv[1], None, {}, 0) is None\n"
+              "exact = tasks.credit_function(None, reward_spec=None)\n"
+              "assert exact({'text': '7', 'example': {'answer': '7'}}) == [1.0]\n"
+              "try:\n    tasks.load_reward_function('math')\nexcept tasks.InputError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_DIR, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--reward math: the math-verify package is not installed" in result.stdout
+
+
 # ---------------------------------------------------------------------------------------
 # checkpoint: atomic saves and the choice of the one to resume
 # ---------------------------------------------------------------------------------------
@@ -1460,6 +1868,119 @@ def test_run_log_hides_known_warnings_and_shows_every_other_one():
     for hidden in ("torch.set_num_threads", "Initializing a V1 LLM engine", "Apex is not installed"):
         assert hidden not in quiet, quiet
     assert "Apex is not installed" in verbose and "gradient accumulation" in verbose
+
+
+
+def step_metrics(step):
+    """A record as step_record makes one: numbers, a None, a string, a bool and a list."""
+    seconds = {f"{phase}_s": 0.5 + step for phase in run_log.STEP_PHASES}
+    return {"step": step, "reward_mean": 0.25 * step, "reward_std": 0.1, "accuracy": 0.125 * step,
+            "response_length": 3.0, "draft_tokens": step, "acceptance_rate": None, "mtp_loss": 1.5 / step,
+            "entropy": 2.0, "logprob_mismatch_mean": 1e-7, "grad_norm": 0.75, "clip_fraction": 0.0,
+            "acceptance_by_depth": [0.5, 0.25], "draft_mode": "auto", "trained_mtp": True,
+            "rollout_tokens_per_s": 100.0 * step, **seconds}
+
+
+def tensorboard_scalars(directory):
+    """{tag: {step: value}} of the TensorBoard event files under `directory`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(directory)
+    events.Reload()
+    return {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+WANDB_LOG_BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of framed chunks
+WANDB_CHUNK_HEADER = 7  # CRC32 (4 bytes), length (2), type (1)
+WANDB_LAST_CHUNKS = (1, 4)  # FULL and LAST end a record
+
+
+def wandb_records(path):
+    """The protobuf records of an offline run's .wandb file, in order."""
+    from wandb.proto import wandb_internal_pb2
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", data[:7]
+    position, pending = WANDB_CHUNK_HEADER, b""  # the file opens with its own 7-byte header
+    while position + WANDB_CHUNK_HEADER <= len(data):
+        if WANDB_LOG_BLOCK - position % WANDB_LOG_BLOCK < WANDB_CHUNK_HEADER:  # a block's zero tail
+            position += WANDB_LOG_BLOCK - position % WANDB_LOG_BLOCK
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        pending += data[position + WANDB_CHUNK_HEADER:position + WANDB_CHUNK_HEADER + length]
+        position += WANDB_CHUNK_HEADER + length
+        if kind in WANDB_LAST_CHUNKS:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def wandb_run_contents(out, run_id):
+    """({step: {metric: value}} without W&B's own _-keys, {config key: value}) of an offline run."""
+    (path,) = glob.glob(os.path.join(out, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb"))
+    history, config = {}, {}
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            history[record.history.step.num] = {
+                "/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item
+                if not (item.key or item.nested_key[0]).startswith("_")}
+        elif record.WhichOneof("record_type") == "run":
+            config = {item.key: json.loads(item.value_json) for item in record.run.config.update
+                      if not item.key.startswith("_")}
+    return history, config
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B without a network: offline, quiet, its settings and cache under tmp_path."""
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb_dir"), "WANDB_SILENT": "true",
+                        "WANDB_CONSOLE": "off", "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+                        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"), "WANDB_API_KEY": ""}.items():
+        monkeypatch.setenv(name, value)
+    import wandb
+    yield wandb
+    wandb.teardown()
+
+
+def test_run_log_scalar_metrics_are_what_tensorboard_gets(tmp_path):
+    record = step_metrics(2)
+    scalars = run_log.scalar_metrics(record)
+    not_numbers = {"step", "acceptance_rate", "acceptance_by_depth", "draft_mode", "trained_mtp"}
+    assert not_numbers.isdisjoint(scalars)
+    assert scalars["draft_tokens"] == 2 and scalars["reward_mean"] == 0.5 and len(scalars) == len(record) - 5
+    writer = run_log.open_tensorboard(str(tmp_path), 0)
+    run_log.write_tensorboard(writer, record)
+    writer.close()
+    logged = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    assert logged == {name: {2: pytest.approx(value)} for name, value in scalars.items()}
+
+
+def test_run_log_wandb_offline_run_holds_tensorboards_metrics_at_the_same_steps(tmp_path, offline_wandb, capsys):
+    out, config = str(tmp_path / "out"), {"lr": 3e-4, "task": "repeat", "steps": 2}
+    os.makedirs(out)
+    assert run_log.open_wandb(out, None, config, 0) is None
+    writer, wandb_run = run_log.open_tensorboard(out, 0), run_log.open_wandb(out, "grpo-test", config, 0)
+    records = [step_metrics(1), step_metrics(2)]
+    for done, record in enumerate(records, 1):
+        run_log.log_step(record, os.path.join(out, "metrics.jsonl"), writer, 2, 1.0 * done, done, wandb_run)
+    writer.close()
+    wandb_run.finish()
+    offline_wandb.teardown()  # the run's file is complete once W&B's service process has stopped
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["1/2", "2/2"]
+    history, logged_config = wandb_run_contents(out, wandb_run.id)
+    assert logged_config == config
+    assert history == {r["step"]: pytest.approx(run_log.scalar_metrics(r)) for r in records}
+    board = tensorboard_scalars(os.path.join(out, "tensorboard"))
+    assert set(history[1]) == set(board) and all(history[s][name] == pytest.approx(board[name][s])
+                                                  for s in (1, 2) for name in board)
+    with open(os.path.join(out, run_log.WANDB_RUN_ID_FILE)) as f:
+        assert f.read() == wandb_run.id
+    # A resumed run (start_step > 0) goes on in the same W&B run; a fresh one starts another.
+    resumed = run_log.open_wandb(out, "grpo-test", config, start_step=2)
+    resumed.finish()
+    fresh = run_log.open_wandb(out, "grpo-test", config, start_step=0)
+    fresh.finish()
+    assert resumed.id == wandb_run.id and fresh.id != wandb_run.id
 
 
 # ---------------------------------------------------------------------------------------
@@ -2549,6 +3070,95 @@ def test_train_grpo_rejects_a_bad_flag_before_the_process_group(kind, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+RECIPE_REFUSALS = {
+    "filter without data": (["--overlong-filter"], "--overlong-filter: the built-in task samples exactly"),
+    "buffer without data": (["--overlong-buffer", "2"], "--overlong-buffer 2: the built-in task samples exactly"),
+    "buffer past the limit": (["--data", "gsm8k_sample.jsonl", "--overlong-buffer", "9"],
+                              "--overlong-buffer 9: expected at most --max-new-tokens 3"),
+    "rounds without dynamic sampling": (["--max-sampling-rounds", "3"],
+                                        "--max-sampling-rounds 3: only read with --dynamic-sampling"),
+    "mask bounds": (["--rollout-mask", "token", "--rollout-mask-low", "3", "--rollout-mask-high", "2"],
+                    "--rollout-mask-low 3.0 > --rollout-mask-high 2.0"),
+}
+
+
+@pytest.mark.parametrize("kind", RECIPE_REFUSALS)
+def test_train_grpo_refuses_recipe_flags_where_they_mean_nothing(kind):
+    flags, expected = RECIPE_REFUSALS[kind]
+    problems = train_grpo.flag_problems(train_grpo.parse_args(["--out", "unused", *flags]), 2)
+    assert len(problems) == 1 and expected in problems[0], problems
+    # The same flags with what makes them mean something are taken.
+    assert train_grpo.sampling_problems(train_grpo.parse_args(["--data", "gsm8k_sample.jsonl", "--dynamic-sampling"]))\
+        == []
+
+
+def _dynamic_sampling_run(monkeypatch, rounds_of_rewards, max_rounds):
+    """sample_batch with the engine replaced by one that hands out, round by round, groups of
+    two completions whose rewards are `rounds_of_rewards` (the logic under test is the
+    choice of groups, not the rollout)."""
+    settings = _settings(["--dynamic-sampling", "--max-sampling-rounds", str(max_rounds), "--group-size", "2"])
+    calls = []
+
+    def fake_generate(engines, model, tokenizer, examples, step, params, seed, rank, sampling_round):
+        calls.append((sampling_round, [e["prompt"] for e in examples]))
+        rewards = rounds_of_rewards[sampling_round]
+        return [{"example": examples[i // 2], "reward": r, "response_ids": [5], "truncated": False}
+                for i, r in enumerate(rewards)], None
+    monkeypatch.setattr(rollout, "generate", fake_generate)
+    examples, _ = tasks.split_examples(None, None, 0, "repeat")
+    run = SimpleNamespace(settings=settings, examples=examples, engines=None, policy=SimpleNamespace(model=None),
+                          tokenizer=None, rank=0, credit=lambda sample: [float(sample["reward"])])
+    first = tasks.sample_prompts(examples, 3, 3, settings.seed)
+    samples, rewards, _, metrics = train_grpo.sample_batch(run, 3, first, params=None)
+    return calls, samples, rewards, metrics, first, examples
+
+
+def test_train_grpo_dynamic_sampling_keeps_informative_groups_in_draw_order(monkeypatch):
+    # 3 prompts a step, groups of 2. Round 0: groups 0 and 2 informative; round 1: group 1.
+    rounds = [[1, 0, 1, 1, 0, 1], [0, 0, 1, 0, 1, 1], [1, 0, 0, 1, 1, 0]]
+    calls, samples, rewards, metrics, first, examples = _dynamic_sampling_run(monkeypatch, rounds, max_rounds=4)
+    assert [r for r, _ in calls] == [0, 1]  # full after the second round
+    assert calls[0][1] == [e["prompt"] for e in first]
+    # Round 1's prompts come from (seed, step, round) alone.
+    assert calls[1][1] == [e["prompt"] for e in tasks.sample_prompts(examples, 3, 3, 0, sampling_round=1)]
+    assert [s["reward"] for s in samples] == [1, 0, 0, 1, 1, 0]
+    assert [s["example"]["prompt"] for s in samples[4:]] == [calls[1][1][1]] * 2
+    assert rewards.tolist() == [1, 0, 0, 1, 1, 0]
+    assert metrics == {"sampling_rounds": 2, "informative_group_share": 3 / 6}
+    # Kept groups carry advantages; a constant group would have none.
+    assert all(s["advantages"].abs().sum() > 0 for s in samples)
+
+
+def test_train_grpo_dynamic_sampling_fills_with_dropped_groups_after_the_last_round(monkeypatch):
+    rounds = [[1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    calls, samples, rewards, metrics, _, _ = _dynamic_sampling_run(monkeypatch, rounds, max_rounds=2)
+    assert [r for r, _ in calls] == [0, 1]
+    # The one informative group first, then the dropped ones in the order drawn.
+    assert [s["reward"] for s in samples] == [0, 1, 1, 1, 0, 0]
+    assert [float(s["advantages"].abs().sum()) > 0 for s in samples] == [True, True, False, False, False, False]
+    assert metrics == {"sampling_rounds": 2, "informative_group_share": 1 / 6}
+
+
+def test_train_grpo_math_reward_recipe_runs_end_to_end(tmp_path, monkeypatch):
+    # GSM8K-style answers scored by math-verify, with every recipe flag on, 2 steps, W&B offline.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = str(tmp_path / "run")
+    records, _ = _train(out, "--data", os.path.join(REPO_DIR, "gsm8k_sample.jsonl"), "--reward", "math",
+                        "--steps", "2", "--max-new-tokens", "12", "--prompts-per-step", "4", "--eval-every", "2",
+                        "--dynamic-sampling", "--overlong-filter", "--overlong-buffer", "4", "--loss", "gspo",
+                        "--rollout-mask", "sequence", "--wandb-project", "test", "--no-mtp-rollout")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert 1 <= record["sampling_rounds"] <= train_grpo.DEFAULT_SAMPLING_ROUNDS
+        assert 0 <= record["informative_group_share"] <= 1 and 0 <= record["truncated_fraction"] <= 1
+        # The soft punishment takes up to 1 from a 0/1 reward.
+        assert -1 <= record["reward_mean"] <= 1 and math.isfinite(record["grad_norm"])
+        assert 0 <= record["rollout_masked_fraction"] <= 1
+    assert "eval_accuracy" in records[-1]
+    assert glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))
+
+
 def test_train_grpo_help_lists_every_flag_with_its_help(capsys):
     # A '%' in a help string that argparse does not expect breaks --help for every flag.
     with pytest.raises(SystemExit) as exited:
@@ -2804,7 +3414,8 @@ def _rollout_prompt_ids(checkpoint, data):
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
     samples, outputs = rollout.rollout(llm, tokenizer, examples, params, 1, rank)
     # the advantages pack_micro_batch lays out
-    train_grpo.score(samples, tasks.credit_function(tokenizer), settings)
+    credit = tasks.credit_function(tokenizer)
+    train_grpo.set_advantages(samples, train_grpo.credit_rows(samples, credit, settings), settings)
     input_ids, seqlens = trainer.pack_micro_batch(samples, torch.device("cpu"))[:2]
     packed = [sequence[:len(sample["prompt_ids"])].tolist()
               for sequence, sample in zip(torch.split(input_ids, seqlens.tolist()), samples)]

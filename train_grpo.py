@@ -61,11 +61,13 @@ DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
 DEFAULT_MAX_POSITIONS = 4096
+# DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.
+DEFAULT_SAMPLING_ROUNDS = 4
 BUILTIN_MODELS_DIR = "runs"
 # What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
 # logs, its length and the optimizer's step size. Any other flag makes it another run.
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
-                     "verbose", "lr", "grad_clip", "micro_batches", "mtp_rollout", "num_speculative_tokens",
+                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "mtp_rollout", "num_speculative_tokens",
                      "max_speculative_tokens", "tune_every", "acceptance_check_every", "check_draft_every",
                      "spec_config", "gpu_memory_utilization", "kv_cache_bytes")
 
@@ -144,9 +146,11 @@ def add_data_flags(p):
                         f"{tasks.EVAL_HOLDOUT_MAX}) that training never samples")
     p.add_argument("--eval-every", type=POSITIVE_INT, default=25,
                    help="greedy accuracy and mean reward on the held-out set every N steps (and after the last)")
-    p.add_argument("--reward", default=None, metavar="FILE.py:FUNCTION",
+    p.add_argument("--reward", default=None, metavar="FILE.py:FUNCTION|math",
                    help="your reward: FUNCTION(prompt: str, response: str, answer: str) -> float or a list of "
-                        "per-token floats; default: per-character credit (built-in task), exact match (--data)")
+                        "per-token floats; or math: the final answer (GSM8K's '#### 72', \\boxed{}, fractions, "
+                        "LaTeX) checked against the answer's with math-verify; default: per-character credit "
+                        "(built-in task), exact match (--data)")
 
 
 def add_output_flags(p):
@@ -154,6 +158,9 @@ def add_output_flags(p):
                    help="metrics.jsonl, curves.png, tensorboard/ event files, checkpoints, final HF dir")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="also write every metric to TensorBoard event files under OUT/tensorboard")
+    p.add_argument("--wandb-project", default=None,
+                   help="also log every metric to Weights & Biases under this project (WANDB_MODE=offline keeps it "
+                        "on disk)")
     p.add_argument("--verbose", action="store_true",
                    help="show vLLM's INFO logs and periodic engine statistics, and the stack's known-harmless "
                         "warnings (hidden by default)")
@@ -196,7 +203,7 @@ def add_loss_flags(p):
     p.add_argument("--lr", type=POSITIVE, default=None,
                    help="Adam learning rate; default: the built-in task's, " + ", ".join(
                        f"{task} {spec['lr']:g}" for task, spec in tasks.TASKS.items()) + f", or with --data {DATA_LR:g}")
-    p.add_argument("--micro-batches", type=POSITIVE_INT, default=2,
+    p.add_argument("--micro-batches", type=POSITIVE_INT, default=1,
                    help="gradient accumulation micro-batches per optimizer step (per mini-batch)")
     p.add_argument("--mini-batches", type=POSITIVE_INT, default=1,
                    help="optimizer steps per pass over the rollout batch; > 1 (or --ppo-epochs > 1) makes the PPO "
@@ -212,12 +219,39 @@ def add_loss_flags(p):
     p.add_argument("--dual-clip", type=number(float, above=1, why=" (it bounds the loss of negative advantages from "
                                                                    "below at dual-clip x advantage)"), default=3.0,
                    help="dual-clip bound for negative advantages (> 1)")
+    p.add_argument("--loss", choices=grpo_loss.POLICY_LOSSES, default="ppo",
+                   help="policy loss: ppo (token ratio, clipped), gspo (the sequence's ratio, geometric mean of its "
+                        "tokens', clipped per sequence; no dual clip; pair with --loss-agg seq-mean-token-mean), "
+                        "cispo (REINFORCE on every token, weighted by the stop-gradient ratio capped at 1 + --clip-high)")
     p.add_argument("--tis-cap", type=NON_NEGATIVE, default=2.0,
                    help="truncated importance sampling: weight min(p_megatron / p_vllm, cap); 0 disables")
+    p.add_argument("--rollout-mask", choices=grpo_loss.ROLLOUT_MASK_LEVELS, default="off",
+                   help="masked importance sampling against vLLM: drop the policy loss of tokens (token) or whole "
+                        "sequences (sequence: the geometric mean of their tokens') whose p_megatron / p_vllm leaves "
+                        "[--rollout-mask-low, --rollout-mask-high]")
+    p.add_argument("--rollout-mask-low", type=POSITIVE, default=0.5, help="--rollout-mask's lower bound on the ratio")
+    p.add_argument("--rollout-mask-high", type=POSITIVE, default=2.0, help="--rollout-mask's upper bound on the ratio")
     p.add_argument("--kl-coef", type=NON_NEGATIVE, default=0.0,
                    help="k3 KL to the initial policy (0: no reference model)")
     p.add_argument("--entropy-coef", type=NON_NEGATIVE, default=0.02,
                    help="entropy bonus (keeps a random-init policy from collapsing onto one answer)")
+
+
+def add_sampling_flags(p):
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO's dynamic sampling: drop the groups whose rewards are all equal (no advantage) and "
+                        "roll out more prompts until the batch is full of informative groups, at most "
+                        "--max-sampling-rounds rollouts per step (then the dropped groups fill it)")
+    p.add_argument("--max-sampling-rounds", type=POSITIVE_INT, default=None,
+                   help=f"--dynamic-sampling: rollouts per step at most (default {DEFAULT_SAMPLING_ROUNDS})")
+    p.add_argument("--overlong-filter", action="store_true",
+                   help="truncated completions (no end-of-sequence token within --max-new-tokens) stay out of the "
+                        "loss (--data only: the built-in tasks always sample --max-new-tokens)")
+    p.add_argument("--overlong-buffer", type=COUNT, default=0,
+                   help="DAPO's soft overlong punishment: the reward falls linearly by up to --overlong-penalty over "
+                        "the last N tokens before --max-new-tokens (0: off; --data only)")
+    p.add_argument("--overlong-penalty", type=NON_NEGATIVE, default=1.0,
+                   help="the reward taken from a completion of --max-new-tokens tokens under --overlong-buffer")
 
 
 def add_mtp_flags(p):
@@ -249,7 +283,8 @@ def add_mtp_flags(p):
 
 def build_parser():
     p = _ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add_flags in (add_data_flags, add_output_flags, add_layout_flags, add_loss_flags, add_mtp_flags):
+    for add_flags in (add_data_flags, add_output_flags, add_layout_flags, add_loss_flags, add_sampling_flags,
+                      add_mtp_flags):
         add_flags(p)
     return p
 
@@ -328,6 +363,29 @@ def data_problems(args):
     return problems
 
 
+def sampling_problems(args):
+    """The recipe's flags: each read only where it means something."""
+    problems = []
+    if args.max_sampling_rounds is not None and not args.dynamic_sampling:
+        problems.append(f"--max-sampling-rounds {args.max_sampling_rounds}: only read with --dynamic-sampling")
+    overlong = [flag for flag, on in (("--overlong-filter", args.overlong_filter),
+                                      (f"--overlong-buffer {args.overlong_buffer}", args.overlong_buffer)) if on]
+    if overlong and args.data is None:
+        problems.append(f"{' and '.join(overlong)}: the built-in task samples exactly --max-new-tokens tokens "
+                        "(its end-of-sequence token is ignored), so nothing is overlong; expected --data")
+    max_new_tokens = args.max_new_tokens or DATA_MAX_NEW_TOKENS
+    if args.data is not None and args.overlong_buffer > max_new_tokens:
+        problems.append(f"--overlong-buffer {args.overlong_buffer}: expected at most --max-new-tokens "
+                        f"{max_new_tokens}")
+    if args.rollout_mask_low > args.rollout_mask_high:
+        problems.append(f"--rollout-mask-low {args.rollout_mask_low} > --rollout-mask-high "
+                        f"{args.rollout_mask_high}: expected low <= high")
+    if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        problems.append(f"--wandb-project {args.wandb_project}: the wandb package is not installed; pip install "
+                        "wandb or leave the flag out")
+    return problems
+
+
 def model_problems(args, hf_config):
     """Flags that must fit the model's config.json."""
     where = args.model or f"the built-in {builtin_model(args)[0]} model"
@@ -349,13 +407,14 @@ def model_problems(args, hf_config):
 def flag_problems(args, world_size):
     """Every problem across the flags (each bound is argparse's), each naming the flag, its
     value and what is expected; the model's are checked once the others hold."""
-    problems = layout_problems(args, world_size) + data_problems(args)
+    problems = layout_problems(args, world_size) + data_problems(args) + sampling_problems(args)
     return problems or model_problems(args, model_config(args))
 
 
 def resolve(args, hf_config):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
-    lr, mtp_rollout, mtp_train, bf16 and the built-in model's name); `args` is untouched."""
+    lr, mtp_rollout, mtp_train, bf16, max_sampling_rounds and the built-in model's name);
+    `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     derived = {
         "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else (
@@ -366,6 +425,7 @@ def resolve(args, hf_config):
         "bf16": torch.cuda.is_available() if args.bf16 is None else args.bf16,
         "builtin_model": None if args.model else builtin_model(args)[0],
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
+        "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
     }
     return argparse.Namespace(**{**vars(args), **derived})
 
@@ -412,16 +472,65 @@ def load_inputs(run_settings):
 # Rewards and advantages
 # ---------------------------------------------------------------------------------------
 
-def score(samples, credit, run):
-    """Rewards [N] fp32 (each completion's mean credit) and each sample's per-token
-    advantages (set on the sample). Per-token credits of unequal lengths are zero-padded
-    for the per-position group baseline; a sequence reward spreads over its tokens."""
+def sample_batch(run, step, examples_now, params):
+    """The rollout phase: (samples with their advantages set, rewards [N] fp32, the first
+    rollout's draft acceptance, sampling metrics). One rollout of `examples_now`; with
+    --dynamic-sampling the groups whose rewards are all equal are dropped and round r
+    rolls out as many prompts again, drawn from (seed, step, r), until the batch holds as
+    many informative groups as prompts, or --max-sampling-rounds rollouts ran (the dropped
+    groups then fill it, in the order drawn: their advantages are 0)."""
+    s, wanted = run.settings, len(examples_now)
+    kept, dropped, informative_count = [], [], 0
+    for sampling_round in range(s.max_sampling_rounds):
+        if sampling_round:
+            examples_now = tasks.sample_prompts(run.examples, step, wanted, s.seed, sampling_round)
+        samples, round_acceptance = rollout.generate(run.engines, run.policy.model, run.tokenizer, examples_now, step,
+                                                     params, s.seed, run.rank, sampling_round)
+        acceptance = round_acceptance if not sampling_round else acceptance
+        rows = credit_rows(samples, run.credit, s)
+        means = torch.tensor([sum(row) / len(row) for row in rows])
+        informative = grpo_loss.informative_groups(means, s.group_size).tolist()
+        informative_count += sum(informative)
+        for group, useful in enumerate(informative):
+            members = slice(group * s.group_size, (group + 1) * s.group_size)
+            (kept if useful or not s.dynamic_sampling else dropped).append((samples[members], rows[members]))
+        if len(kept) >= wanted:
+            break
+    batch = (kept + dropped)[:wanted]
+    samples = [sample for members, _ in batch for sample in members]
+    rewards = set_advantages(samples, [row for _, rows in batch for row in rows], s)
+    if torch.cuda.is_available():
+        run.engines.sleep(level=sleep_level(s))
+    metrics = {"sampling_rounds": sampling_round + 1,
+               "informative_group_share": informative_count / ((sampling_round + 1) * wanted)}
+    if s.data:
+        metrics["truncated_fraction"] = sum(sample["truncated"] for sample in samples) / len(samples)
+    return samples, rewards, acceptance, metrics
+
+
+def credit_rows(samples, credit, run):
+    """Each sample's credits ([floats]: per token, or one for the sequence), with DAPO's
+    soft overlong punishment (--overlong-buffer) added to each."""
     rows = [refusing(credit, sample) for sample in samples]
+    if not run.overlong_buffer:
+        return rows
+    lengths = torch.tensor([len(sample["response_ids"]) for sample in samples])
+    penalties = grpo_loss.overlong_penalty(lengths, run.max_new_tokens, run.overlong_buffer, run.overlong_penalty)
+    return [[value + penalty for value in row] for row, penalty in zip(rows, penalties.tolist())]
+
+
+def set_advantages(samples, rows, run):
+    """Rewards [N] fp32 (each completion's mean credit); sets each sample's per-token
+    advantages and, under --overlong-filter, whether it is in the loss. Per-token credits of
+    unequal lengths are zero-padded for the per-position group baseline; a sequence reward
+    spreads over its tokens."""
     lengths = [len(row) for row in rows]
     credits = torch.tensor([row + [0.0] * (max(lengths) - len(row)) for row in rows])          # [N, L]
     advantages = grpo_loss.group_advantages(credits, run.group_size, run.advantage)
     for sample, advantage, length in zip(samples, advantages, lengths):
         sample["advantages"] = advantage[:length].expand(len(sample["response_ids"]))
+        if run.overlong_filter:
+            sample["in_loss"] = not sample["truncated"]
     return torch.stack([row[:length].mean() for row, length in zip(credits, lengths)])
 
 
@@ -605,17 +714,18 @@ def broadcast(value):
 
 def open_outputs(run, resume_dir, args, changed):
     """(metrics.jsonl's path, the records kept from before the start step, a TensorBoard
-    writer or None); records and writer on rank 0 only."""
+    writer or None, a W&B run or None); records and loggers on rank 0 only."""
     os.makedirs(run.settings.out, exist_ok=True)
     metrics_path = os.path.join(run.settings.out, "metrics.jsonl")
     if run.rank != 0:
-        return metrics_path, [], None
+        return metrics_path, [], None, None
     print(header(run, args), flush=True)
     if run.start_step:
         print(f"resumed from {resume_dir} (step {run.start_step})" + (f" with {changed}" if changed else ""),
               flush=True)
     writer = run_log.open_tensorboard(run.settings.out, run.start_step) if run.settings.tensorboard else None
-    return metrics_path, checkpoint.keep_records(metrics_path, run.start_step), writer
+    wandb_run = run_log.open_wandb(run.settings.out, run.settings.wandb_project, vars(run.settings), run.start_step)
+    return metrics_path, checkpoint.keep_records(metrics_path, run.start_step), writer, wandb_run
 
 
 def main(args):
@@ -633,7 +743,7 @@ def main(args):
                                            ignore_eos=True)
     per_rank = s.prompts_per_step * s.group_size
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    metrics_path, records, writer = open_outputs(run, resume_dir, args, changed)
+    metrics_path, records, writer, wandb_run = open_outputs(run, resume_dir, args, changed)
     started = time.time()
 
     for step in range(run.start_step + 1, s.steps + 1):
@@ -644,13 +754,12 @@ def main(args):
         with timer("tune"):
             checked, tried = rollout.tune_draft_tokens(engines, policy.model, tokenizer, examples_now, step,
                                                        check_params, s.acceptance_check_every, s.tune_every, rank)
-        # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting
+        # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting;
+        # rewards and GRPO advantages (--dynamic-sampling: more rollouts for informative groups)
         with timer("rollout"):
-            samples, acceptance = rollout.generate(engines, policy.model, tokenizer, examples_now, step, params,
-                                                   s.seed, rank, sleep_level(s))
-        # Rewards and GRPO advantages, then PPO on this data-parallel rank's share
+            samples, rewards, acceptance, sampling = sample_batch(run, step, examples_now, params)
+        # The policy loss on this data-parallel rank's share
         with timer("train"):
-            rewards = score(samples, run.credit, s)
             train_sums = trainer.train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], s)
         # Sync: the new weights, MTP draft included, into vLLM
         with timer("sync"):
@@ -664,16 +773,18 @@ def main(args):
         record = run_log.step_record(step, samples, rewards, trainer.reduce_metrics(train_sums, run.device),
                                      draft_record(engines, acceptance, checked, tried), sync_result, eval_metrics,
                                      timer.seconds)
+        record.update(sampling)
         if rank == 0:
             records.append(record)
-            run_log.log_step(record, metrics_path, writer, s.steps, time.time() - started, step - run.start_step)
+            run_log.log_step(record, metrics_path, writer, s.steps, time.time() - started, step - run.start_step,
+                             wandb_run)
         stop_signal = stop.agreed(run.device)
         if step % s.save_every == 0 or step == s.steps or stop_signal:
             save_state(run, step)
         if stop_signal:
             raise stopped(run, step, stop_signal)
 
-    finish(run, records, writer, time.time() - started)
+    finish(run, records, (writer, wandb_run), time.time() - started)
     return records
 
 
@@ -694,12 +805,16 @@ def sleep_level(run_settings):
     return 1 if run_settings.mtp_rollout and not run_settings.mtp_train else 2
 
 
-def finish(run, records, writer, seconds):
-    """The trained policy as a HF checkpoint in OUT/final, the plots, the closing summary."""
+def finish(run, records, loggers, seconds):
+    """The trained policy as a HF checkpoint in OUT/final, the plots, the closing summary;
+    `loggers` (TensorBoard's writer, the W&B run; each None when off) are closed."""
     out = run.settings.out
     weight_sync.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
+    writer, wandb_run = loggers
     if writer is not None:
         writer.close()
+    if wandb_run is not None:
+        wandb_run.finish()
     if run.rank != 0 or not records:
         return
     run_log.plot_curves(records, os.path.join(out, "curves.png"))

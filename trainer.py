@@ -14,8 +14,8 @@ every rank before the optimizer touches the weights, so the last checkpoint stay
 
 `settings` is any object with the attributes named in the code (train_grpo's resolved
 flags): lr, grad_clip, tp, cp, bf16, kl_coef, mtp_train, mtp_rollout, temperature,
-loss_agg, clip_low, clip_high, dual_clip, tis_cap, entropy_coef, mtp_loss_scale,
-micro_batches, mini_batches, ppo_epochs. Imports torch, megatron-core and the project's
+loss, loss_agg, clip_low, clip_high, dual_clip, tis_cap, rollout_mask, rollout_mask_low,
+rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs. Imports torch, megatron-core and the project's
 forward, grpo_loss, cpu_backend, megatron_model and weight_sync.
 """
 
@@ -94,7 +94,8 @@ def pack_micro_batch(samples, device):
     """Samples -> packed tensors on `device`: input_ids [T] int64, seqlens [B] int64, and
     loss_mask, advantages, rollout_logprobs, old_logprobs [T] fp32, each at the position
     that predicts its response token (position i predicts token i + 1); old_logprobs is
-    None until `record_old_logprobs` has settings."""
+    None until `record_old_logprobs` has settings. A sample with "in_loss" False (a
+    truncated completion under --overlong-filter) has loss_mask 0."""
     sequences = [s["prompt_ids"] + s["response_ids"] for s in samples]
     seqlens = torch.tensor([len(ids) for ids in sequences])
     input_ids = torch.tensor([token for ids in sequences for token in ids])
@@ -103,7 +104,7 @@ def pack_micro_batch(samples, device):
     offset = 0
     for sample, length in zip(samples, seqlens.tolist()):
         first, last = offset + len(sample["prompt_ids"]) - 1, offset + length - 1
-        loss_mask[first:last] = 1.0
+        loss_mask[first:last] = float(sample.get("in_loss", True))
         advantages[first:last] = sample["advantages"]
         rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
         if with_old:
@@ -142,10 +143,16 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
     # One optimizer step per rollout batch: this forward is the policy that sampled it.
     old_logprobs = out.logprobs.detach() if old_logprobs is None else batch.pack(old_logprobs)
     local_rollout, local_weights = batch.pack(rollout_logprobs), batch.pack(weights)
+    sequence_index = batch.pack(torch.repeat_interleave(torch.arange(len(seqlens), device=device), seqlens.to(device)))
+    per_sequence = dict(loss_mask=local_mask, sequence_index=sequence_index, num_sequences=len(seqlens),
+                        sum_over_ranks=sum_over_context_parallel)
+    kept = grpo_loss.rollout_mask(old_logprobs, local_rollout, level=settings.rollout_mask, low=settings.rollout_mask_low,
+                                  high=settings.rollout_mask_high, **per_sequence)
     per_token, acted = grpo_loss.policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages),
                                              clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                             dual_clip=settings.dual_clip, tis_cap=settings.tis_cap)
-    loss = (per_token * local_weights).sum()
+                                             dual_clip=settings.dual_clip, tis_cap=settings.tis_cap,
+                                             loss=settings.loss, **per_sequence)
+    loss = (per_token * kept * local_weights).sum()
     if settings.entropy_coef > 0:
         loss = loss - settings.entropy_coef * (out.entropy * local_weights).sum()
     if policy.reference is not None:
@@ -157,8 +164,18 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
         sums["kl_to_reference"] += float((k3 * local_mask).sum())
     sums["total_loss"] += float(loss.detach())
     sums["mtp_loss"] += float(out.mtp_loss) / settings.micro_batches if out.mtp_loss is not None else 0.0
+    sums["rollout_masked_fraction"] += float(((1 - kept) * local_mask).sum())
     add_token_metrics(sums, out, old_logprobs, local_rollout, acted, local_mask)
     return loss
+
+
+def sum_over_context_parallel(partial_sums):
+    """Per-sequence sums of this context-parallel rank's tokens -> the whole sequences' (the
+    tokens of one sequence are split over the group)."""
+    group = parallel_state.get_context_parallel_group()
+    if group.size() > 1:
+        dist.all_reduce(partial_sums, group=group)
+    return partial_sums
 
 
 def add_token_metrics(sums, out, old_logprobs, rollout_logprobs, acted, mask):
@@ -189,8 +206,11 @@ def train_step(policy, samples, settings):
     dp_size = parallel_state.get_data_parallel_world_size()
     per_micro = len(samples) // settings.micro_batches
     device = next(policy.model.parameters()).device
-    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples))], device=device)
+    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples if s.get("in_loss", True)))],
+                              device=device)
     dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
+    # Every completion filtered out (--overlong-filter): a loss of 0, not 0 / 0.
+    num_tokens.clamp_(min=1)
     # The MTP loss is a mean per micro-batch and rank; gradients are summed over both.
     MTPLossAutoScaler.set_loss_scale(torch.tensor(settings.mtp_loss_scale / (settings.micro_batches * dp_size), device=device))
     policy.ddp_model.zero_grad_buffer()
@@ -236,7 +256,7 @@ def train(policy, samples, settings):
 # How each train metric is combined over optimizer steps (`combine_steps`) and over data x
 # context parallel ranks (`reduce_metrics`, each rank holds a share of the tokens).
 TOKEN_MEAN_METRICS = ("clip_fraction", "entropy", "logprob_mismatch_mean", "kl_to_reference", "clip_low_fraction",
-                      "clip_high_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl")
+                      "clip_high_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl", "rollout_masked_fraction")
 STEP_MEAN_METRICS = ("mtp_loss", "total_loss")
 SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens",) + STEP_MEAN_METRICS
 MAXED_METRICS = ("logprob_mismatch_max", "ratio_max")
