@@ -51,6 +51,8 @@ KNOWN_VLLM_WARNINGS = (
     r"Enforce eager set, disabling torch.compile",
     r"The global random seed is set to",
     r"sleep mode is not supported on CPU",
+    # Said on CPUs with AVX-512 BF16 for every model; only Mamba-style models hold an SSM cache.
+    r"Reset SSM cache type to float32 for accelerated GDN mamba backend",
 )
 VLLM_LOGGER = "vllm"
 # The phases a step's tokens/s counts (evaluation is not part of producing the update).
