@@ -846,8 +846,9 @@ def row_draft_training():
 TRL_VERSION = "1.16.0"
 TRL_ROUNDS = 3
 TRL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-trl")
-# TRL in one process on every core (its own default); ours: torchrun's 2 processes x 1 thread.
+# TRL in one process on every core (its own default); ours: torchrun's processes x 1 thread.
 TRL_THREADS = 2
+OUR_PROCESSES = 2
 REWARD_TARGET = 0.9
 
 
@@ -863,11 +864,10 @@ def trl_worker(out):
     from trl import GRPOConfig, GRPOTrainer
     import train_grpo
     torch.set_num_threads(TRL_THREADS)
-    settings = train_grpo.check_args(train_grpo.parse_args(["--out", out]), world_size=2)
-    model_dir = os.path.join(REPO_DIR, train_grpo.BUILTIN_MODELS_DIR, f"{settings.builtin_model}-mimo")
-    tiny_model.build_tiny_mimo(model_dir, **tiny_model.BUILTIN_SIZES[settings.builtin_model])
+    settings = train_grpo.check_args(train_grpo.parse_args(["--out", out]), world_size=OUR_PROCESSES)
+    model_dir = train_grpo.write_builtin_model(settings.builtin_model)
     examples, _ = tasks.split_examples(None, None, settings.seed, settings.task, settings.count_step)
-    prompts_per_step = 2 * settings.prompts_per_step
+    prompts_per_step = OUR_PROCESSES * settings.prompts_per_step
     steps = []
 
     def credit(completions, answer, **_):
@@ -942,8 +942,9 @@ def row_trl_step():
     for number in range(1, TRL_ROUNDS + 1):
         ours_out, trl_out = (os.path.join(TRL_RUN_DIR, f"{name}_{number}") for name in ("ours", "trl"))
         print(f"trl_step round {number}/{TRL_ROUNDS}: ours ...", file=sys.stderr, flush=True)
-        wall, peak = timed_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                    "train_grpo.py", "--out", ours_out, "--resume", "never"], ours_out)
+        wall, peak = timed_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                    str(OUR_PROCESSES), "train_grpo.py", "--out", ours_out, "--resume", "never"],
+                                   ours_out)
         with open(os.path.join(ours_out, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
         phases = ("tune_s", "rollout_s", "train_s", "sync_s", "eval_s")

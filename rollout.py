@@ -32,7 +32,7 @@ import torch.distributed as dist
 import draft_tuner
 import spec_config
 import weight_sync
-from tasks import SEED_STRIDE, prompt_token_ids
+from tasks import SEED_STRIDE, prompt_token_ids, step_seed
 
 PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
@@ -173,10 +173,7 @@ def seed_engine(seed, step, rank, rollout_tp, sampling_round=0):
     """Seed the engine's sampling (torch's generator in this process) from (seed, step,
     sampling round, engine): step s's rollout depends on those and the weights alone, so a
     run resumed from a checkpoint samples what the uninterrupted run sampled."""
-    step_seed = seed * SEED_STRIDE + step
-    if sampling_round:
-        step_seed = step_seed * SEED_STRIDE + sampling_round
-    torch.manual_seed(step_seed * SEED_STRIDE + rank // rollout_tp)
+    torch.manual_seed(step_seed(seed, step, sampling_round) * SEED_STRIDE + rank // rollout_tp)
 
 
 def all_engines_statistics(engines, statistics, rank):

@@ -191,12 +191,17 @@ def split_examples(examples, eval_examples, seed, task, count_step=1):
     return [examples[i] for i in sorted(order[held_out:])], [examples[i] for i in sorted(order[:held_out])]
 
 
+def step_seed(seed, step, sampling_round=0):
+    """The seed of one step's draw (prompts here, sampling in rollout.seed_engine): round 0
+    is a step's first, dynamic sampling's later rounds draw more."""
+    first = seed * SEED_STRIDE + step
+    return first * SEED_STRIDE + sampling_round if sampling_round else first
+
+
 def sample_prompts(examples, step, count, seed, sampling_round=0):
     """`count` examples for `step`, drawn from the training pool by a generator seeded by
-    (seed, step, sampling round) alone: the same on every rank, and the same after a resume.
-    Round 0 is a step's first draw; dynamic sampling's later rounds draw more."""
-    step_seed = seed * SEED_STRIDE + step
-    step_rng = random.Random(step_seed * SEED_STRIDE + sampling_round if sampling_round else step_seed)
+    (seed, step, sampling round) alone: the same on every rank, and the same after a resume."""
+    step_rng = random.Random(step_seed(seed, step, sampling_round))
     return [step_rng.choice(examples) for _ in range(count)]
 
 

@@ -67,9 +67,9 @@ BUILTIN_MODELS_DIR = "runs"
 # What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
 # logs, its length and the optimizer's step size. Any other flag makes it another run.
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
-                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "mtp_rollout", "num_speculative_tokens",
-                     "max_speculative_tokens", "tune_every", "acceptance_check_every", "check_draft_every",
-                     "spec_config", "gpu_memory_utilization", "kv_cache_bytes")
+                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "mtp_rollout",
+                     "num_speculative_tokens", "max_speculative_tokens", "tune_every", "acceptance_check_every",
+                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes")
 
 
 def usage_error(message):
@@ -222,7 +222,8 @@ def add_loss_flags(p):
     p.add_argument("--loss", choices=grpo_loss.POLICY_LOSSES, default="ppo",
                    help="policy loss: ppo (token ratio, clipped), gspo (the sequence's ratio, geometric mean of its "
                         "tokens', clipped per sequence; no dual clip; pair with --loss-agg seq-mean-token-mean), "
-                        "cispo (REINFORCE on every token, weighted by the stop-gradient ratio capped at 1 + --clip-high)")
+                        "cispo (REINFORCE on every token, weighted by the stop-gradient ratio capped at "
+                        "1 + --clip-high)")
     p.add_argument("--tis-cap", type=NON_NEGATIVE, default=2.0,
                    help="truncated importance sampling: weight min(p_megatron / p_vllm, cap); 0 disables")
     p.add_argument("--rollout-mask", choices=grpo_loss.ROLLOUT_MASK_LEVELS, default="off",
@@ -298,6 +299,13 @@ def builtin_model(args):
     """(name, config.json dict) of the built-in model a run without --model uses."""
     name = args.builtin_model or tasks.TASKS[args.task]["model"]
     return name, tiny_model.mimo_config(**tiny_model.BUILTIN_SIZES[name])
+
+
+def write_builtin_model(name):
+    """The built-in model `name` (tiny_model.BUILTIN_SIZES) written under BUILTIN_MODELS_DIR
+    unless it is there already; returns its directory."""
+    directory = os.path.join(BUILTIN_MODELS_DIR, f"{name}-mimo")
+    return tiny_model.build_tiny_mimo(directory, **tiny_model.BUILTIN_SIZES[name])
 
 
 def model_config(args):
@@ -486,7 +494,8 @@ def sample_batch(run, step, examples_now, params):
             examples_now = tasks.sample_prompts(run.examples, step, wanted, s.seed, sampling_round)
         samples, round_acceptance = rollout.generate(run.engines, run.policy.model, run.tokenizer, examples_now, step,
                                                      params, s.seed, run.rank, sampling_round)
-        acceptance = round_acceptance if not sampling_round else acceptance
+        if not sampling_round:
+            acceptance = round_acceptance  # the drafting metrics are the step's first rollout's
         rows = credit_rows(samples, run.credit, s)
         means = torch.tensor([sum(row) / len(row) for row in rows])
         informative = grpo_loss.informative_groups(means, s.group_size).tolist()
@@ -634,9 +643,7 @@ def start(run_settings, resume_dir, examples, held_out):
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     # The built-in model is written once and cached; only rank 0 writes it.
-    model_dir = s.model or broadcast(tiny_model.build_tiny_mimo(
-        os.path.join(BUILTIN_MODELS_DIR, f"{s.builtin_model}-mimo"), **tiny_model.BUILTIN_SIZES[s.builtin_model])
-        if rank == 0 else None)
+    model_dir = s.model or broadcast(write_builtin_model(s.builtin_model) if rank == 0 else None)
     # The one tokenizer of prompts and answers (vLLM loads the same, through transformers).
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

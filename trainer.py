@@ -15,8 +15,9 @@ every rank before the optimizer touches the weights, so the last checkpoint stay
 `settings` is any object with the attributes named in the code (train_grpo's resolved
 flags): lr, grad_clip, tp, cp, bf16, kl_coef, mtp_train, mtp_rollout, temperature,
 loss, loss_agg, clip_low, clip_high, dual_clip, tis_cap, rollout_mask, rollout_mask_low,
-rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs. Imports torch, megatron-core and the project's
-forward, grpo_loss, cpu_backend, megatron_model and weight_sync.
+rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs.
+Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
+megatron_model and weight_sync.
 """
 
 import dataclasses
@@ -146,8 +147,8 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
     sequence_index = batch.pack(torch.repeat_interleave(torch.arange(len(seqlens), device=device), seqlens.to(device)))
     per_sequence = dict(loss_mask=local_mask, sequence_index=sequence_index, num_sequences=len(seqlens),
                         sum_over_ranks=sum_over_context_parallel)
-    kept = grpo_loss.rollout_mask(old_logprobs, local_rollout, level=settings.rollout_mask, low=settings.rollout_mask_low,
-                                  high=settings.rollout_mask_high, **per_sequence)
+    kept = grpo_loss.rollout_mask(old_logprobs, local_rollout, level=settings.rollout_mask,
+                                  low=settings.rollout_mask_low, high=settings.rollout_mask_high, **per_sequence)
     per_token, acted = grpo_loss.policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages),
                                              clip_low=settings.clip_low, clip_high=settings.clip_high,
                                              dual_clip=settings.dual_clip, tis_cap=settings.tis_cap,
