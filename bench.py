@@ -236,7 +236,7 @@ def measure_weight_sync_push(threads):
     cpu_backend.init_distributed()
     cpu_backend.init_model_parallel(tensor_parallel=1)
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as directory:
-        checkpoint = tiny_model.build_tiny_mimo(directory, **WEIGHT_SYNC_SIZES)
+        checkpoint = tiny_model.build_tiny_model(directory, **WEIGHT_SYNC_SIZES)
         model = build_gpt_model(checkpoint)
         weight_sync.load_hf_into_megatron(model, checkpoint)
         llm = LLM(model=checkpoint, dtype="float32", max_model_len=256, seed=0, enforce_eager=True,
@@ -437,7 +437,7 @@ def measure_attention_scaling(checkpoint, threads):
 def row_forward_backward():
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as directory:
-        checkpoint = tiny_model.build_tiny_mimo(directory)
+        checkpoint = tiny_model.build_tiny_model(directory)
         cp1 = run_in_processes(measure_forward_backward, args=(checkpoint, threads, TRAIN_BATCH_SIZES, True))[0]
         rounds = []
         for _ in range(CP_ROUNDS):
@@ -481,7 +481,7 @@ def row_forward_backward():
 
 def row_attention_scaling():
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as directory:
-        checkpoint = tiny_model.build_tiny_mimo(directory)
+        checkpoint = tiny_model.build_tiny_model(directory)
         times = run_in_processes(measure_attention_scaling, args=(checkpoint, torch.get_num_threads()))[0]
     smallest, largest = SCALING_BATCH_SIZES
     growth = (times[largest] / times[smallest]) / (largest / smallest)
@@ -556,7 +556,7 @@ def measure_optimizer_step(checkpoint, threads):
 
 def row_optimizer_step():
     with tempfile.TemporaryDirectory(prefix="bench-optimizer-") as directory:
-        checkpoint = tiny_model.build_tiny_mimo(directory, **WEIGHT_SYNC_SIZES)
+        checkpoint = tiny_model.build_tiny_model(directory, **WEIGHT_SYNC_SIZES)
         results = run_in_processes(measure_optimizer_step, world_size=2, args=(checkpoint, torch.get_num_threads()))
     # Ranks step together (collectives): the slower rank is the step time.
     ours_ms = max(times["ours"] for times, _ in results)

@@ -150,16 +150,17 @@ def packed_causal_attention(query, key, value, seqlens_padded, cp_size=1, cp_ran
     """Causal attention within each sequence of CP rank `cp_rank`'s share of a packed batch.
 
     query: [T_local, heads, head_dim], this rank's slots in the zigzag layout.
-    key, value: [cp_size * T_local, groups, head_dim], every rank's slots in rank order
-      (an all-gather; this rank's own at cp_size 1). heads is a multiple of groups; the
-      query heads of one group are contiguous (megatron's order).
+    key: [cp_size * T_local, groups, head_dim], value: [cp_size * T_local, groups,
+      value_head_dim], every rank's slots in rank order (an all-gather; this rank's own at
+      cp_size 1). heads is a multiple of groups; the query heads of one group are
+      contiguous (megatron's order). value_head_dim may differ from head_dim (MLA).
     seqlens_padded: [B] int64, the layout's padded lengths.
     dropout_p: attention-probability dropout, drawn from the default generator (fork an
       RNG state around the call for reproducibility). scale: None is 1/sqrt(head_dim).
-    Returns [T_local, heads * head_dim] in the query's dtype. Differentiable in all three.
+    Returns [T_local, heads * value_head_dim] in the query's dtype. Differentiable in all three.
     """
     plan = attention_plan(seqlens_padded, cp_size, cp_rank, query.shape[0])
-    heads, groups, head_dim = query.shape[1], key.shape[1], query.shape[2]
+    heads, groups, head_dim, value_head_dim = query.shape[1], key.shape[1], query.shape[2], value.shape[2]
     # One gather per input and one at the end: their backward is one index_add each, not one per bucket.
     queries = query.index_select(0, plan.query_index).split(plan.query_rows)
     keys = key.index_select(0, plan.key_index).split(plan.key_rows)
@@ -169,11 +170,11 @@ def packed_causal_attention(query, key, value, seqlens_padded, cp_size=1, cp_ran
         # [units * length, n, d] -> [units, n, length, d]
         q = q.view(bucket.units, bucket.queries, heads, head_dim).transpose(1, 2)
         k = k.view(bucket.units, bucket.keys, groups, head_dim).transpose(1, 2)
-        v = v.view(bucket.units, bucket.keys, groups, head_dim).transpose(1, 2)
+        v = v.view(bucket.units, bucket.keys, groups, value_head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, dropout_p=dropout_p,
                                              is_causal=bucket.mask is None, scale=scale,
                                              enable_gqa=heads != groups)
-        outputs.append(out.transpose(1, 2).reshape(-1, heads * head_dim))
+        outputs.append(out.transpose(1, 2).reshape(-1, heads * value_head_dim))
     return torch.cat(outputs).index_select(0, plan.output_index)
 
 
@@ -230,7 +231,8 @@ class ContextParallelTHDAttention(torch.nn.Module):
     forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None):
       THD (packed_seq_params.qkv_format == "thd"): query [T_local, heads, head_dim],
-      key/value [T_local, groups, head_dim] -> [T_local, heads * head_dim].
+      key [T_local, groups, head_dim], value [T_local, groups, value_head_dim] ->
+      [T_local, heads * value_head_dim] (MLA: value heads narrower than query heads).
       bshd (no packed_seq_params, CP 1 only): query [s, b, heads, head_dim], key/value
       [s, b, groups, head_dim], attention_mask None (causal) or bool [b, 1, s, s] with
       True = masked (megatron's convention) -> [s, b, heads * head_dim].
@@ -270,9 +272,10 @@ class ContextParallelTHDAttention(torch.nn.Module):
             cu_seqlens_padded = packed_seq_params.cu_seqlens_q
         seqlens_padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).long().to(query.device)
         if cp_size > 1:
-            # Keys and values travel as one tensor: one collective each way, not two.
-            key_value = _AllGatherSequence.apply(torch.cat([key, value], dim=1), self.cp_group)
-            key, value = key_value.split(key.shape[1], dim=1)
+            # Keys and values travel as one tensor: one collective each way, not two. Joined
+            # along the head dimension: MLA's value heads are narrower than its key heads.
+            key_value = _AllGatherSequence.apply(torch.cat([key, value], dim=-1), self.cp_group)
+            key, value = key_value.split([key.shape[-1], value.shape[-1]], dim=-1)
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext():
             return packed_causal_attention(query, key, value, seqlens_padded, cp_size, cp_rank, dropout_p=dropout_p,
                                            scale=self.softmax_scale)

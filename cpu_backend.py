@@ -96,20 +96,25 @@ def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES, form_timeout_secon
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234):
+def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234, expert_parallel=1):
     """megatron-core's parallel groups and RNG seeds, after `init_distributed`.
 
-    Data parallel is what remains of the world. Re-initialises if groups already exist
-    (tests run several layouts in one process).
+    Data parallel is what remains of the world; `expert_parallel` ranks of it (times the
+    context-parallel ones) split an MoE layer's experts. Re-initialises if groups already
+    exist (tests run several layouts in one process).
     """
     world_size = dist.get_world_size()
     if world_size % (tensor_parallel * context_parallel):
         raise ValueError(f"tensor_parallel={tensor_parallel} x context_parallel={context_parallel} "
                          f"does not divide the world size {world_size}")
+    if world_size % (tensor_parallel * expert_parallel):
+        raise ValueError(f"tensor_parallel={tensor_parallel} x expert_parallel={expert_parallel} "
+                         f"does not divide the world size {world_size}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             context_parallel_size=context_parallel)
+                                             context_parallel_size=context_parallel,
+                                             expert_model_parallel_size=expert_parallel)
     if not torch.cuda.is_available():
         # On GPU, model_parallel_cuda_manual_seed seeds the default CUDA generator with the
         # data-parallel seed (the same on every rank); the default CPU generator is its

@@ -1,13 +1,27 @@
-"""Build a megatron-core GPTModel for a MiMo-style Hugging Face config (Qwen2 + MTP).
+"""Build a megatron-core GPTModel for a Hugging Face MTP config: MiMo, DeepSeek-V3 or GLM-4.5.
 
 One builder for everything that needs the policy as a Megatron model: `train_grpo.py`,
-the tests and the benchmarks. The config maps one to one:
+the tests and the benchmarks. Each family's config maps one to one:
 
-    RMSNorm, SwiGLU (gated linear unit, silu), RoPE (rope_theta), bias on q/k/v only,
-    grouped-query attention (num_key_value_heads), untied output layer, and
-    `num_nextn_predict_layers` MTP layers.
+    all       RMSNorm, SwiGLU (gated linear unit, silu), RoPE (rope_theta), untied output
+              layer, `num_nextn_predict_layers` MTP layers.
+    MiMo      (Qwen2) grouped-query attention with bias on q/k/v only.
+    DeepSeek  multi-latent attention (q/kv low-rank projections with their norms, a
+              rotary part of the key shared by the heads, value heads narrower than
+              query heads); the first `first_k_dense_replace` layers dense, the rest MoE.
+    GLM-4.5   grouped-query attention with q/k/v bias, RoPE on `partial_rotary_factor`
+              of each head, optional q/k norms; dense first layers, then MoE.
+    MoE       routed experts (SequentialMLP) plus shared experts, sigmoid scores, the
+              `e_score_correction_bias` used to pick experts (megatron's expert bias),
+              group-limited top-k (`n_group`, `topk_group`), normalised top-k weights
+              times `routed_scaling_factor`. The MTP layer is an MoE layer, as in both.
 
     model = build_gpt_model("runs/tiny-mimo", mtp=True)
+
+The router during RL: no auxiliary load-balancing loss and no expert-bias updates (rate 0).
+Both are pretraining controls that move routing towards balance; in RL they would move
+each token's experts away from the ones the rollout engine used, for a batch far too
+small to say anything about balance. The router's weights train with the rest.
 
 megatron-core's parallel state must be initialised first (see cpu_backend.py). Written to
 construct on megatron-core 0.14 - 0.19: config fields a release does not know are left out.
@@ -21,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 
 # The MTP loss is added to the LM loss with this weight (divided by the number of MTP
@@ -29,7 +43,11 @@ from megatron.core.transformer import TransformerConfig
 # divides by it.
 DEFAULT_MTP_LOSS_SCALING_FACTOR = 0.1
 # The Hugging Face architectures this builder (and weight_sync's name map) reproduces.
-SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm")))
+# megatron-core's token dispatcher for MoE layers: all-gather needs only the collectives
+# gloo has (all-to-all it lacks), and at a few experts per rank it moves little more.
+MOE_TOKEN_DISPATCHER = "allgather"
 
 
 def load_hf_config(model):
@@ -43,29 +61,90 @@ def load_hf_config(model):
         return json.load(f)
 
 
-def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parallel=1, sequence_parallel=False,
-                       params_dtype=torch.float32, recompute=False,
-                       mtp_loss_scaling_factor=DEFAULT_MTP_LOSS_SCALING_FACTOR, **overrides):
-    """megatron-core `TransformerConfig` for a MiMo/Qwen2 HF config dict."""
+def model_family(hf_config):
+    """"mimo", "deepseek" or "glm" for a HF config dict; ValueError naming the architectures we build."""
+    architectures = hf_config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in FAMILIES:
+            return FAMILIES[architecture]
+    raise ValueError(f"architecture {', '.join(architectures) or '(none in config.json)'} is not one this project "
+                     f"builds; expected {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _moe_fields(hf_config, expert_parallel):
+    """TransformerConfig fields of DeepSeek-V3's and GLM-4.5's MoE layers."""
+    num_experts = hf_config["n_routed_experts"]
+    if num_experts % expert_parallel:
+        raise ValueError(f"expert_parallel={expert_parallel} must divide n_routed_experts={num_experts}")
+    if hf_config.get("scoring_func", "sigmoid") != "sigmoid" or not hf_config.get("norm_topk_prob", True):
+        raise ValueError(f"scoring_func={hf_config.get('scoring_func')!r}, norm_topk_prob="
+                         f"{hf_config.get('norm_topk_prob')}: megatron's sigmoid router normalises the top-k "
+                         "weights; expected scoring_func 'sigmoid' and norm_topk_prob true")
+    num_layers, num_dense = hf_config["num_hidden_layers"], hf_config.get("first_k_dense_replace", 0)
+    num_groups = hf_config.get("n_group", 1)
+    return {
+        "num_moe_experts": num_experts,
+        "moe_ffn_hidden_size": hf_config["moe_intermediate_size"],
+        "moe_router_topk": hf_config["num_experts_per_tok"],
+        "moe_shared_expert_intermediate_size": hf_config["moe_intermediate_size"] * hf_config["n_shared_experts"],
+        "moe_layer_freq": [0] * num_dense + [1] * (num_layers - num_dense),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_topk_scaling_factor": hf_config.get("routed_scaling_factor", 1.0),
+        "moe_router_num_groups": num_groups if num_groups > 1 else None,
+        "moe_router_group_topk": hf_config.get("topk_group") if num_groups > 1 else None,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER,
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": expert_parallel,
+    }
+
+
+def _attention_fields(hf_config, family, tensor_parallel):
+    """TransformerConfig fields of the family's attention."""
     num_heads = hf_config["num_attention_heads"]
+    if family == "deepseek":
+        if num_heads % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} must divide num_attention_heads={num_heads}")
+        if hf_config.get("rope_scaling"):
+            raise ValueError(f"rope_scaling={hf_config['rope_scaling']!r}: the DeepSeek path builds plain RoPE; "
+                             "expected rope_scaling null")
+        return {"multi_latent_attention": True, "num_query_groups": num_heads, "q_lora_rank": hf_config["q_lora_rank"],
+                "kv_lora_rank": hf_config["kv_lora_rank"], "qk_head_dim": hf_config["qk_nope_head_dim"],
+                "qk_pos_emb_head_dim": hf_config["qk_rope_head_dim"], "v_head_dim": hf_config["v_head_dim"],
+                "kv_channels": hf_config["v_head_dim"], "rope_type": "rope", "qk_layernorm": True,
+                "rotary_base": hf_config.get("rope_theta", 10000), "add_qkv_bias": False}
     num_kv_heads = hf_config.get("num_key_value_heads", num_heads)
     # megatron-core splits whole query groups across tensor-parallel ranks; with fewer KV
     # heads than ranks some releases build the model anyway and produce garbage gradients.
     if num_kv_heads % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} must divide num_key_value_heads={num_kv_heads}")
+    return {"num_query_groups": num_kv_heads,
+            "kv_channels": hf_config.get("head_dim", hf_config["hidden_size"] // num_heads),
+            "add_qkv_bias": family == "mimo" or hf_config.get("attention_bias", False),
+            "qk_layernorm": hf_config.get("use_qk_norm", False)}
+
+
+def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parallel=1, expert_parallel=1,
+                       sequence_parallel=False, params_dtype=torch.float32, recompute=False,
+                       mtp_loss_scaling_factor=DEFAULT_MTP_LOSS_SCALING_FACTOR, **overrides):
+    """megatron-core `TransformerConfig` (an `MLATransformerConfig` for DeepSeek) for a HF config dict."""
+    family = model_family(hf_config)
+    if expert_parallel > 1 and family == "mimo":
+        raise ValueError(f"expert_parallel={expert_parallel}: the MiMo model has no experts; expected 1")
     fields = {
         "num_layers": hf_config["num_hidden_layers"],
         "hidden_size": hf_config["hidden_size"],
         "ffn_hidden_size": hf_config["intermediate_size"],
-        "num_attention_heads": num_heads,
-        "num_query_groups": num_kv_heads,
-        "kv_channels": hf_config.get("head_dim", hf_config["hidden_size"] // num_heads),
+        "num_attention_heads": hf_config["num_attention_heads"],
         "normalization": "RMSNorm",
         "layernorm_epsilon": hf_config.get("rms_norm_eps", 1e-6),
         "gated_linear_unit": True,
         "activation_func": F.silu,
         "add_bias_linear": False,
-        "add_qkv_bias": True,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "tensor_model_parallel_size": tensor_parallel,
@@ -84,17 +163,21 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         "mtp_num_layers": hf_config.get("num_nextn_predict_layers", 0) if mtp else None,
         "mtp_loss_scaling_factor": mtp_loss_scaling_factor,
     }
+    fields.update(_attention_fields(hf_config, family, tensor_parallel))
+    if family != "mimo":
+        fields.update(_moe_fields(hf_config, expert_parallel))
     if mtp and not fields["mtp_num_layers"]:
         fields["mtp_num_layers"] = None
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    config_class = MLATransformerConfig if family == "deepseek" else TransformerConfig
+    known = {field.name for field in dataclasses.fields(config_class)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"{unknown} are not TransformerConfig fields in this megatron-core release")
+        raise ValueError(f"{unknown} are not {config_class.__name__} fields in this megatron-core release")
     fields.update(overrides)
     # Our own defaults that an older release does not know are left out.
-    return TransformerConfig(**{name: value for name, value in fields.items() if name in known})
+    return config_class(**{name: value for name, value in fields.items() if name in known})
 
 
 def transformer_engine_usable():
@@ -108,38 +191,66 @@ def transformer_engine_usable():
     return True
 
 
-def layer_spec_for(attention):
-    """The decoder layer spec for attention "te", "thd" or "local".
+def layer_spec_for(attention, config=None):
+    """The decoder's layer spec for attention "te", "thd" or "local".
 
     "te": Transformer Engine's spec. "thd": megatron's local spec with
     `ContextParallelTHDAttention` (packed THD and context parallelism on any device).
     "local": megatron's local spec unchanged (bshd only, CP 1: the independent reference
-    the tests compare against).
+    the tests compare against). With an MoE `config` (DeepSeek, GLM) a block spec: one
+    layer spec per layer, dense or MoE as `config.moe_layer_freq` says.
     """
-    if attention == "te":
+    if attention not in ("te", "thd", "local"):
+        raise ValueError(f"attention={attention!r}; expected 'te', 'thd' or 'local'")
+    moe = config is not None and config.num_moe_experts
+    if moe:
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=attention == "te",
+                                                          normalization="RMSNorm")
+        layer_specs = spec.layer_specs
+    elif attention == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_specs = [spec]
     if attention == "thd":
         # Imported here: a Transformer Engine user copies this module without cp_attention.
         from cp_attention import ContextParallelTHDAttention
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelTHDAttention
-    elif attention != "local":
-        raise ValueError(f"attention={attention!r}; expected 'te', 'thd' or 'local'")
+        for layer_spec in layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = ContextParallelTHDAttention
     return spec
 
 
+def _moe_and_mla_know_transformer_engine_is_absent():
+    """Without Transformer Engine, megatron-core 0.16's MoE and MLA modules break on import
+    details: MLA takes TE to be present because TE's extension module imports (its classes
+    are then placeholders) and fails in isinstance(); the MoE utilities' import of TE names
+    stops before `te_general_gemm`, which the router then reads (NameError). Tell both what
+    the extension module knows; with TE installed nothing changes."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+    if getattr(te_extension, "HAVE_TE", True):
+        return
+    if hasattr(multi_latent_attention, "HAVE_TE"):
+        multi_latent_attention.HAVE_TE = False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
-    """A MiMo-style `GPTModel` with the architecture of `model` (dir, config.json or dict).
+    """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3 or GLM-4.5.
 
     Weights are megatron's random init; load real ones with weight_sync.py. `attention`:
     "auto" is Transformer Engine where usable, else "thd" (see `layer_spec_for`); `config_options` go to
-    `transformer_config` (tensor_parallel, context_parallel, params_dtype, recompute, ...).
+    `transformer_config` (tensor_parallel, context_parallel, expert_parallel, params_dtype, recompute, ...).
     """
     if attention == "auto":
         attention = "te" if transformer_engine_usable() else "thd"
     hf_config = load_hf_config(model)
     config = transformer_config(hf_config, mtp=mtp, **config_options)
-    layer_spec = layer_spec_for(attention)
+    if config.multi_latent_attention or config.num_moe_experts:
+        _moe_and_mla_know_transformer_engine_is_absent()
+    layer_spec = layer_spec_for(attention, config)
     mtp_block_spec = None
     if config.mtp_num_layers:
         mtp_block_spec = gpt_layer_specs.get_gpt_mtp_block_spec(config, layer_spec,
@@ -150,6 +261,7 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
         vocab_size=hf_config["vocab_size"],
         max_sequence_length=hf_config.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
+        rotary_percent=hf_config.get("partial_rotary_factor", 1.0),
         rotary_base=int(hf_config.get("rope_theta", 10000)),
         share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False),
         mtp_block_spec=mtp_block_spec,

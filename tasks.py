@@ -52,7 +52,7 @@ REPEAT_HELD_OUT = tuple(REPEAT_LETTERS[i] + REPEAT_LETTERS[(i + 2) % len(REPEAT_
                         for i in range(len(REPEAT_LETTERS)))
 # Each built-in task: the symbols (repeat: letter pairs, count: digits) its prompts are drawn
 # from, those held out for evaluation (training never samples them), the answer length, and
-# the built-in model (tiny_model.BUILTIN_SIZES) and learning rate it runs with by default
+# the built-in model (tiny_model.BUILTIN_MODELS) and learning rate it runs with by default
 # (the deep model's 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly
 # at 3e-4). count holds out digits its training never shows.
 TASKS = {

@@ -1,17 +1,24 @@
-"""Tiny MiMo-style checkpoint: a Qwen2 decoder plus multi-token-prediction (MTP) layers.
+"""Tiny checkpoints of the three MTP families: MiMo (dense), DeepSeek-V3 and GLM-4.5 (MoE).
 
-MiMo is the smallest architecture that both megatron-core's GPT+MTP and vLLM's MTP
-drafting support exactly, and vLLM loads it from a plain Hugging Face directory with no
-remote code. This module writes such a directory with seeded random weights and a
-character-level tokenizer, so tests and the default `train_grpo.py` run need no download
-and take the same loading path a real checkpoint takes.
+Each is a Hugging Face directory in the family's real layout, with seeded random weights
+and a character-level tokenizer, so tests and `train_grpo.py` need no download and take
+the loading path a real checkpoint takes (vLLM and transformers load them, no remote code):
 
-    python tiny_model.py --out runs/tiny-mimo
+    mimo      MiMoForCausalLM: a Qwen2 decoder plus `model.mtp_layers.{j}`.
+    deepseek  DeepseekV3ForCausalLM: multi-latent attention (MLA), routed plus shared
+              experts with sigmoid scores, a score-correction bias, grouped top-k and a
+              routed scaling factor; dense first layers; the MTP layer at
+              `model.layers.{num_hidden_layers}`.
+    glm       Glm4MoeForCausalLM: grouped-query attention with q/k/v bias and partial
+              rotary, the same MoE, the MTP layer at `model.layers.{num_hidden_layers}`.
+
+    python tiny_model.py --builtin deepseek --out runs/tiny-deepseek
 
 Imports only torch, the standard library, and safetensors/tokenizers (both come with vLLM).
 """
 
 import argparse
+import inspect
 import json
 import os
 import string
@@ -27,13 +34,17 @@ CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 # Megatron pads the vocabulary to a multiple of 128 * tp; using a round size here means
 # the HF and Megatron embeddings have the same shape, so weight sync needs no slicing.
 VOCAB_SIZE = 128
-# The built-in models, as `mimo_config` keywords. "tiny" (2 decoder layers, the defaults)
-# trains in seconds per step. "deep" stacks 16 thin layers against the one MTP layer: a
-# draft then costs a small part of a target step, which is what makes MTP drafting pay
-# (with 2 layers a draft costs half a target step and drafting slows decoding down).
-BUILTIN_SIZES = {
-    "tiny": {},
-    "deep": {"hidden_size": 128, "num_layers": 16, "num_heads": 2, "num_kv_heads": 1, "ffn_hidden_size": 512},
+# The built-in models: name -> (family, keywords of the family's config function). "tiny"
+# (2 decoder layers, the defaults) trains in seconds per step. "deep" stacks 16 thin layers
+# against the one MTP layer: a draft then costs a small part of a target step, which is
+# what makes MTP drafting pay (with 2 layers a draft costs half a target step and drafting
+# slows decoding down). "deepseek" and "glm": one dense and one MoE layer, an MoE MTP layer.
+BUILTIN_MODELS = {
+    "tiny": ("mimo", {}),
+    "deep": ("mimo", {"hidden_size": 128, "num_layers": 16, "num_heads": 2, "num_kv_heads": 1,
+                      "ffn_hidden_size": 512}),
+    "deepseek": ("deepseek", {}),
+    "glm": ("glm", {}),
 }
 
 
@@ -55,24 +66,18 @@ def build_tokenizer():
     return tokenizer
 
 
-def mimo_config(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
-                ffn_hidden_size=512, num_mtp_layers=1, vocab_size=VOCAB_SIZE,
-                max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6):
-    """The config.json dict vLLM reads as MiMoForCausalLM (model_type qwen2)."""
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+def _common_config(architecture, model_type, *, hidden_size, num_layers, num_heads, num_mtp_layers, vocab_size,
+                   max_position_embeddings, rope_theta, rms_norm_eps):
+    """The config.json fields every family shares."""
     if vocab_size < len(tokenizer_vocab()):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer_vocab())} tokens")
     vocab = tokenizer_vocab()
     return {
-        "architectures": ["MiMoForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": ffn_hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
         "num_nextn_predict_layers": num_mtp_layers,
         "vocab_size": vocab_size,
         "max_position_embeddings": max_position_embeddings,
@@ -81,7 +86,6 @@ def mimo_config(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
         "bos_token_id": vocab[BOS_TOKEN],
         "eos_token_id": vocab[EOS_TOKEN],
         "pad_token_id": vocab[PAD_TOKEN],
@@ -89,50 +93,192 @@ def mimo_config(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head
     }
 
 
-def decoder_layer_weights(prefix, config, generator, init_std):
-    """Qwen2 decoder layer tensors under `prefix` (qkv carry a bias, o_proj does not)."""
-    hidden, ffn = config["hidden_size"], config["intermediate_size"]
-    q_size = config["num_attention_heads"] * config["head_dim"]
+def _check_heads(num_heads, num_kv_heads):
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+
+
+def mimo_config(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                ffn_hidden_size=512, num_mtp_layers=1, vocab_size=VOCAB_SIZE,
+                max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6):
+    """The config.json dict vLLM reads as MiMoForCausalLM (model_type qwen2)."""
+    _check_heads(num_heads, num_kv_heads)
+    config = _common_config("MiMoForCausalLM", "qwen2", hidden_size=hidden_size, num_layers=num_layers,
+                            num_heads=num_heads, num_mtp_layers=num_mtp_layers, vocab_size=vocab_size,
+                            max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                            rms_norm_eps=rms_norm_eps)
+    config.update(intermediate_size=ffn_hidden_size, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                  use_sliding_window=False)
+    return config
+
+
+def _moe_config(num_experts, num_shared_experts, experts_per_token, num_groups, groups_per_token,
+                moe_ffn_hidden_size, routed_scaling_factor, num_dense_layers):
+    """The MoE fields DeepSeek-V3 and GLM-4.5 share (sigmoid scores, score-correction bias)."""
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups={num_groups} must divide num_experts={num_experts}")
+    if experts_per_token > num_experts // num_groups * groups_per_token:
+        raise ValueError(f"experts_per_token={experts_per_token} exceeds the {groups_per_token} group(s) of "
+                         f"{num_experts // num_groups} experts a token may route to")
+    return {
+        "n_routed_experts": num_experts,
+        "n_shared_experts": num_shared_experts,
+        "num_experts_per_tok": experts_per_token,
+        "n_group": num_groups,
+        "topk_group": groups_per_token,
+        "moe_intermediate_size": moe_ffn_hidden_size,
+        "routed_scaling_factor": routed_scaling_factor,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": num_dense_layers,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "moe_layer_freq": 1,
+    }
+
+
+def deepseek_config(hidden_size=128, num_layers=2, num_heads=4, q_lora_rank=64, kv_lora_rank=512,
+                    qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, ffn_hidden_size=256,
+                    num_experts=16, num_shared_experts=1, experts_per_token=4, num_groups=4, groups_per_token=2,
+                    moe_ffn_hidden_size=64, routed_scaling_factor=2.5, num_dense_layers=1, num_mtp_layers=1,
+                    vocab_size=VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6):
+    """The config.json dict of a DeepseekV3ForCausalLM (MLA + MoE, plain RoPE: no YaRN scaling).
+
+    kv_lora_rank + qk_rope_head_dim = 576, DeepSeek-V3's own latent size, is the only one
+    vLLM-CPU's MLA decode kernel is built for."""
+    config = _common_config("DeepseekV3ForCausalLM", "deepseek_v3", hidden_size=hidden_size, num_layers=num_layers,
+                            num_heads=num_heads, num_mtp_layers=num_mtp_layers, vocab_size=vocab_size,
+                            max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                            rms_norm_eps=rms_norm_eps)
+    config.update(intermediate_size=ffn_hidden_size, num_key_value_heads=num_heads, q_lora_rank=q_lora_rank,
+                  kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                  v_head_dim=v_head_dim, rope_scaling=None, rope_interleave=True, attention_bias=False,
+                  **_moe_config(num_experts, num_shared_experts, experts_per_token, num_groups, groups_per_token,
+                                moe_ffn_hidden_size, routed_scaling_factor, num_dense_layers))
+    return config
+
+
+def glm_config(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, partial_rotary_factor=0.5,
+               use_qk_norm=False, ffn_hidden_size=256, num_experts=8, num_shared_experts=1, experts_per_token=2,
+               moe_ffn_hidden_size=64, routed_scaling_factor=2.5, num_dense_layers=1, num_mtp_layers=1,
+               vocab_size=VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5):
+    """The config.json dict of a Glm4MoeForCausalLM (GQA with q/k/v bias, partial rotary, MoE)."""
+    _check_heads(num_heads, num_kv_heads)
+    config = _common_config("Glm4MoeForCausalLM", "glm4_moe", hidden_size=hidden_size, num_layers=num_layers,
+                            num_heads=num_heads, num_mtp_layers=num_mtp_layers, vocab_size=vocab_size,
+                            max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                            rms_norm_eps=rms_norm_eps)
+    config.update(intermediate_size=ffn_hidden_size, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                  partial_rotary_factor=partial_rotary_factor, use_qk_norm=use_qk_norm, attention_bias=True,
+                  **_moe_config(num_experts, num_shared_experts, experts_per_token, 1, 1,
+                                moe_ffn_hidden_size, routed_scaling_factor, num_dense_layers))
+    return config
+
+
+FAMILY_CONFIGS = {"mimo": mimo_config, "deepseek": deepseek_config, "glm": glm_config}
+
+
+def _attention_weights(config, normal):
+    """Attention tensors by HF suffix: MLA (DeepSeek-V3) or grouped-query with q/k/v bias."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config["model_type"] == "deepseek_v3":
+        qk_head_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
+        return {
+            "self_attn.q_a_proj.weight": normal(q_lora, hidden),
+            "self_attn.q_a_layernorm.weight": torch.ones(q_lora),
+            "self_attn.q_b_proj.weight": normal(heads * qk_head_dim, q_lora),
+            "self_attn.kv_a_proj_with_mqa.weight": normal(kv_lora + config["qk_rope_head_dim"], hidden),
+            "self_attn.kv_a_layernorm.weight": torch.ones(kv_lora),
+            "self_attn.kv_b_proj.weight": normal(heads * (config["qk_nope_head_dim"] + config["v_head_dim"]),
+                                                 kv_lora),
+            "self_attn.o_proj.weight": normal(hidden, heads * config["v_head_dim"]),
+        }
+    q_size = heads * config["head_dim"]
     kv_size = config["num_key_value_heads"] * config["head_dim"]
+    weights = {
+        "self_attn.q_proj.weight": normal(q_size, hidden),
+        "self_attn.q_proj.bias": normal(q_size),
+        "self_attn.k_proj.weight": normal(kv_size, hidden),
+        "self_attn.k_proj.bias": normal(kv_size),
+        "self_attn.v_proj.weight": normal(kv_size, hidden),
+        "self_attn.v_proj.bias": normal(kv_size),
+        "self_attn.o_proj.weight": normal(hidden, q_size),
+    }
+    if config.get("use_qk_norm"):
+        weights.update({"self_attn.q_norm.weight": torch.ones(config["head_dim"]),
+                        "self_attn.k_norm.weight": torch.ones(config["head_dim"])})
+    return weights
+
+
+def _swiglu_weights(prefix, hidden, ffn, normal):
+    return {f"{prefix}.gate_proj.weight": normal(ffn, hidden), f"{prefix}.up_proj.weight": normal(ffn, hidden),
+            f"{prefix}.down_proj.weight": normal(hidden, ffn)}
+
+
+def is_moe_layer(config, layer):
+    """Whether decoder layer `layer` (MTP layers count on from num_hidden_layers) is an MoE layer."""
+    return "n_routed_experts" in config and layer >= config["first_k_dense_replace"]
+
+
+def _mlp_weights(config, layer, normal):
+    """MLP tensors by HF suffix: dense SwiGLU, or router, routed experts and shared experts."""
+    hidden = config["hidden_size"]
+    if not is_moe_layer(config, layer):
+        return _swiglu_weights("mlp", hidden, config["intermediate_size"], normal)
+    experts, ffn = config["n_routed_experts"], config["moe_intermediate_size"]
+    weights = {"mlp.gate.weight": normal(experts, hidden), "mlp.gate.e_score_correction_bias": normal(experts)}
+    for expert in range(experts):
+        weights.update(_swiglu_weights(f"mlp.experts.{expert}", hidden, ffn, normal))
+    weights.update(_swiglu_weights("mlp.shared_experts", hidden, ffn * config["n_shared_experts"], normal))
+    return weights
+
+
+def decoder_layer_weights(prefix, config, layer, normal):
+    """One decoder layer's tensors under `prefix`: norms, attention and MLP of the family."""
+    hidden = config["hidden_size"]
+    weights = {"input_layernorm.weight": torch.ones(hidden), "post_attention_layernorm.weight": torch.ones(hidden),
+               **_attention_weights(config, normal), **_mlp_weights(config, layer, normal)}
+    return {f"{prefix}.{suffix}": tensor for suffix, tensor in weights.items()}
+
+
+def mtp_layer_prefix(config, mtp_layer):
+    """Where MTP layer `mtp_layer` lives: MiMo's `model.mtp_layers.{j}`, DeepSeek's and GLM's
+    `model.layers.{num_hidden_layers + j}`."""
+    if config["model_type"] == "qwen2":
+        return f"model.mtp_layers.{mtp_layer}"
+    return f"model.layers.{config['num_hidden_layers'] + mtp_layer}"
+
+
+def model_weights(config, seed=0, init_std=0.02):
+    """Seeded random state dict in the family's Hugging Face naming, MTP layers included (fp32)."""
+    generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape):
         return torch.randn(*shape, generator=generator) * init_std
 
-    return {
-        f"{prefix}.input_layernorm.weight": torch.ones(hidden),
-        f"{prefix}.self_attn.q_proj.weight": normal(q_size, hidden),
-        f"{prefix}.self_attn.q_proj.bias": normal(q_size),
-        f"{prefix}.self_attn.k_proj.weight": normal(kv_size, hidden),
-        f"{prefix}.self_attn.k_proj.bias": normal(kv_size),
-        f"{prefix}.self_attn.v_proj.weight": normal(kv_size, hidden),
-        f"{prefix}.self_attn.v_proj.bias": normal(kv_size),
-        f"{prefix}.self_attn.o_proj.weight": normal(hidden, q_size),
-        f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
-        f"{prefix}.mlp.gate_proj.weight": normal(ffn, hidden),
-        f"{prefix}.mlp.up_proj.weight": normal(ffn, hidden),
-        f"{prefix}.mlp.down_proj.weight": normal(hidden, ffn),
-    }
-
-
-def mimo_weights(config, seed=0, init_std=0.02):
-    """Seeded random MiMo state dict in Hugging Face naming, MTP layers included (fp32)."""
-    generator = torch.Generator().manual_seed(seed)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    weights = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator) * init_std,
-        "model.norm.weight": torch.ones(hidden),
-        "lm_head.weight": torch.randn(vocab, hidden, generator=generator) * init_std,
-    }
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": normal(vocab, hidden)}
     for layer in range(config["num_hidden_layers"]):
-        weights.update(decoder_layer_weights(f"model.layers.{layer}", config, generator, init_std))
-    for layer in range(config["num_nextn_predict_layers"]):
-        prefix = f"model.mtp_layers.{layer}"
-        weights.update(decoder_layer_weights(prefix, config, generator, init_std))
-        weights[f"{prefix}.token_layernorm.weight"] = torch.ones(hidden)
-        weights[f"{prefix}.hidden_layernorm.weight"] = torch.ones(hidden)
-        # input_proj acts on cat(hidden, embedding): [hidden, 2 * hidden].
-        weights[f"{prefix}.input_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * init_std
-        weights[f"{prefix}.final_layernorm.weight"] = torch.ones(hidden)
+        weights.update(decoder_layer_weights(f"model.layers.{layer}", config, layer, normal))
+    for mtp_layer in range(config["num_nextn_predict_layers"]):
+        prefix = mtp_layer_prefix(config, mtp_layer)
+        weights.update(decoder_layer_weights(prefix, config, config["num_hidden_layers"] + mtp_layer, normal))
+        # The projection acts on [hidden, 2 * hidden] inputs: cat(hidden, embedding) in
+        # MiMo, cat(embedding, hidden) in DeepSeek and GLM.
+        if config["model_type"] == "qwen2":
+            weights.update({f"{prefix}.token_layernorm.weight": torch.ones(hidden),
+                            f"{prefix}.hidden_layernorm.weight": torch.ones(hidden),
+                            f"{prefix}.input_proj.weight": normal(hidden, 2 * hidden),
+                            f"{prefix}.final_layernorm.weight": torch.ones(hidden)})
+        else:
+            # DeepSeek's layout stores the embedding and output layer again in each MTP
+            # layer; they are the main model's (Megatron and vLLM share them).
+            weights.update({f"{prefix}.enorm.weight": torch.ones(hidden), f"{prefix}.hnorm.weight": torch.ones(hidden),
+                            f"{prefix}.eh_proj.weight": normal(hidden, 2 * hidden),
+                            f"{prefix}.shared_head.norm.weight": torch.ones(hidden),
+                            f"{prefix}.shared_head.head.weight": weights["lm_head.weight"],
+                            f"{prefix}.embed_tokens.weight": weights["model.embed_tokens.weight"]})
     return weights
 
 
@@ -166,15 +312,16 @@ def write_tokenizer(out_dir, max_length):
         json.dump(tokenizer_config(max_length), f, indent=2)
 
 
-def build_tiny_mimo(out_dir, seed=0, **sizes):
-    """Write a tiny MiMo checkpoint to `out_dir` and return the path.
+def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
+    """Write a tiny checkpoint of `family` ("mimo", "deepseek" or "glm") to `out_dir`; returns the path.
 
-    `sizes` are `mimo_config` keywords (hidden_size, num_layers, num_heads, num_kv_heads,
-    head_dim, ffn_hidden_size, num_mtp_layers, vocab_size, max_position_embeddings, ...).
-    Skips the work when `out_dir` already holds a checkpoint written with the same config
-    and seed, so callers can use it as a cache.
+    `sizes` are keywords of the family's config function (`mimo_config`, `deepseek_config`,
+    `glm_config`). Skips the work when `out_dir` already holds a checkpoint written with
+    the same config and seed, so callers can use it as a cache.
     """
-    config = mimo_config(**sizes)
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"family={family!r}: expected one of {sorted(FAMILY_CONFIGS)}")
+    config = FAMILY_CONFIGS[family](**sizes)
     # The tokenizer's config is in the stamp too: a cache written before a change to it
     # (the chat template, say) is rewritten.
     stamp = {"config": config, "tokenizer": tokenizer_config(config["max_position_embeddings"]), "seed": seed}
@@ -187,8 +334,8 @@ def build_tiny_mimo(out_dir, seed=0, **sizes):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     write_tokenizer(out_dir, config["max_position_embeddings"])
-    weights = mimo_weights(config, seed=seed)
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()},
+    weights = model_weights(config, seed=seed)
+    save_file({name: tensor.clone().contiguous() for name, tensor in weights.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     # The stamp goes last: an interrupted write is never mistaken for a finished one.
     with open(stamp_path, "w") as f:
@@ -196,24 +343,37 @@ def build_tiny_mimo(out_dir, seed=0, **sizes):
     return out_dir
 
 
+def builtin_config(name):
+    """(family, config.json dict) of the built-in model `name` (BUILTIN_MODELS)."""
+    family, sizes = BUILTIN_MODELS[name]
+    return family, FAMILY_CONFIGS[family](**sizes)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/tiny-mimo", help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--builtin", choices=sorted(BUILTIN_SIZES), default="tiny",
-                        help="start from this built-in model's sizes; the flags below override them")
+    parser.add_argument("--builtin", choices=sorted(BUILTIN_MODELS), default="tiny",
+                        help="start from this built-in model's family and sizes; the flags below override them")
     parser.add_argument("--hidden-size", type=int, default=None, help="model width (tiny: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="decoder layers (tiny: 2)")
     parser.add_argument("--num-heads", type=int, default=None, help="attention heads (tiny: 4)")
     parser.add_argument("--num-kv-heads", type=int, default=None,
-                        help="key/value heads (GQA); tensor parallel size must divide it (tiny: 2)")
-    parser.add_argument("--head-dim", type=int, default=None, help="size of one head; vLLM-CPU rejects 16 (tiny: 64)")
+                        help="key/value heads (GQA; not deepseek); tensor parallel size must divide it (tiny: 2)")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="size of one head (not deepseek); vLLM-CPU rejects 16 (tiny: 64)")
     parser.add_argument("--ffn-hidden-size", type=int, default=None, help="SwiGLU inner width (tiny: 512)")
+    parser.add_argument("--num-experts", type=int, default=None, help="routed experts (deepseek: 16, glm: 8)")
     parser.add_argument("--num-mtp-layers", type=int, default=None, help="multi-token-prediction layers (tiny: 1)")
     args = parser.parse_args()
+    family, sizes = BUILTIN_MODELS[args.builtin]
     overrides = {name: value for name, value in vars(args).items()
                  if name not in ("out", "seed", "builtin") and value is not None}
-    path = build_tiny_mimo(args.out, seed=args.seed, **{**BUILTIN_SIZES[args.builtin], **overrides})
+    accepted = inspect.signature(FAMILY_CONFIGS[family]).parameters
+    unknown = sorted(f"--{name.replace('_', '-')}" for name in overrides if name not in accepted)
+    if unknown:
+        parser.error(f"{', '.join(unknown)}: not a size of the {family} family (--builtin {args.builtin})")
+    path = build_tiny_model(args.out, family, seed=args.seed, **{**sizes, **overrides})
     print(f"wrote {path}")
 
 

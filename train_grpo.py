@@ -57,6 +57,11 @@ import weight_sync  # noqa: E402
 from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel  # noqa: E402
 from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config  # noqa: E402
 
+# The architectures a run trains end to end, and their built-in models: megatron_model.py
+# and weight_sync.py also build and map DeepSeek-V3 and GLM-4.5, whose rollout side (vLLM
+# engine, weight push, MTP draft check) is not verified yet.
+TRAINED_ARCHITECTURES = ("MiMoForCausalLM",)
+TRAINED_BUILTIN_MODELS = sorted(name for name, (family, _) in tiny_model.BUILTIN_MODELS.items() if family == "mimo")
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
@@ -121,7 +126,7 @@ POSITIVE, NON_NEGATIVE = number(float, above=0), number(float, at_least=0)
 def add_data_flags(p):
     p.add_argument("--model", default=None,
                    help="MiMo-style HF checkpoint dir; default: the built-in model of --builtin-model")
-    p.add_argument("--builtin-model", choices=sorted(tiny_model.BUILTIN_SIZES), default=None,
+    p.add_argument("--builtin-model", choices=TRAINED_BUILTIN_MODELS, default=None,
                    help="the built-in model (written once under runs/) used without --model; default: the task's "
                         "(" + ", ".join(f"{task}: {spec['model']}" for task, spec in tasks.TASKS.items()) + ")")
     p.add_argument("--task", choices=sorted(tasks.TASKS), default="repeat",
@@ -298,14 +303,15 @@ def parse_args(argv=None):
 def builtin_model(args):
     """(name, config.json dict) of the built-in model a run without --model uses."""
     name = args.builtin_model or tasks.TASKS[args.task]["model"]
-    return name, tiny_model.mimo_config(**tiny_model.BUILTIN_SIZES[name])
+    return name, tiny_model.builtin_config(name)[1]
 
 
 def write_builtin_model(name):
-    """The built-in model `name` (tiny_model.BUILTIN_SIZES) written under BUILTIN_MODELS_DIR
+    """The built-in model `name` (tiny_model.BUILTIN_MODELS) written under BUILTIN_MODELS_DIR
     unless it is there already; returns its directory."""
-    directory = os.path.join(BUILTIN_MODELS_DIR, f"{name}-mimo")
-    return tiny_model.build_tiny_mimo(directory, **tiny_model.BUILTIN_SIZES[name])
+    family, sizes = tiny_model.BUILTIN_MODELS[name]
+    directory = os.path.join(BUILTIN_MODELS_DIR, f"{name}-{family}" if name != family else name)
+    return tiny_model.build_tiny_model(directory, family, **sizes)
 
 
 def model_config(args):
@@ -401,6 +407,10 @@ def model_problems(args, hf_config):
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         return [f"--model {args.model!r}: architecture {', '.join(architectures) or '(none in config.json)'} is not "
                 f"one this project builds; expected {' or '.join(SUPPORTED_ARCHITECTURES)}"]
+    if not set(architectures) & set(TRAINED_ARCHITECTURES):
+        return [f"{where}: architecture {', '.join(architectures)} builds in Megatron (megatron_model.py, "
+                f"weight_sync.py) but train_grpo.py does not train it yet (its vLLM rollout and MTP draft check are "
+                f"not verified); expected {' or '.join(TRAINED_ARCHITECTURES)}"]
     problems = []
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "

@@ -1,29 +1,37 @@
 """Weights between Megatron-Core, Hugging Face checkpoints and a colocated vLLM engine.
 
-For MiMo-style models: a Qwen2 decoder plus `num_nextn_predict_layers` multi-token
-prediction (MTP) layers, which vLLM uses as its speculative-decoding draft. Four moves:
+For the three MTP families megatron_model.py builds: MiMo (a Qwen2 decoder plus
+`num_nextn_predict_layers` MTP layers), DeepSeek-V3 (MLA + MoE) and GLM-4.5 (GQA + MoE),
+whose MTP layers vLLM uses as its speculative-decoding draft. Four moves:
 
-    load_hf_into_megatron(model, "ckpt/")          # HF -> Megatron, each TP rank reads its slices
-    for name, tensor in megatron_to_hf(model): ...  # Megatron -> HF, TP shards gathered
+    load_hf_into_megatron(model, "ckpt/")          # HF -> Megatron, each rank reads its slices
+    for name, tensor in megatron_to_hf(model): ...  # Megatron -> HF, TP shards and EP experts gathered
     push_to_vllm(model, llm)                        # Megatron -> vLLM target + MTP draft, in buckets
     save_hf_checkpoint(model, "ckpt/", "out/")      # Megatron -> HF directory vLLM loads
 
-The two layouts differ in four ways, all handled here:
+The layouts differ in these ways, all handled here:
 - names: `decoder.layers.{i}.self_attention.linear_qkv` is `model.layers.{i}.self_attn.{q,k,v}_proj`,
-  ..., and `mtp.layers.{j}.{enorm, hnorm, eh_proj}` are `model.mtp_layers.{j}.{token_layernorm,
-  hidden_layernorm, input_proj}`, the MTP transformer layer's names sitting directly under
-  `model.mtp_layers.{j}.`. The MTP layer's submodule is `transformer_layer` up to
-  megatron-core 0.16 and `mtp_model_layer` from 0.17; Transformer Engine layer specs fold the
-  norms into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`. All are accepted.
+  MLA's `linear_{q,kv}_{down,up}_proj` and their norms are `self_attn.{q_a,q_b,kv_a,kv_b}...`,
+  `mlp.router` is `mlp.gate` (its `expert_bias` buffer is `e_score_correction_bias`),
+  `mlp.experts.local_experts.{e}` is `mlp.experts.{ep_rank * local + e}`. MiMo's MTP layers
+  are `model.mtp_layers.{j}` with `token_layernorm`, `hidden_layernorm`, `input_proj`;
+  DeepSeek's and GLM's are `model.layers.{num_layers + j}` with `enorm`, `hnorm`, `eh_proj`,
+  `shared_head.norm`, plus a copy of the embedding and output layer in each. The MTP
+  layer's submodule is `transformer_layer` up to megatron-core 0.16 and `mtp_model_layer`
+  from 0.17; Transformer Engine layer specs fold the norms into the following linear
+  layer (`linear_qkv.layer_norm_weight`, ...). All are accepted.
 - `linear_qkv` interleaves per query group: [q heads of group 0, k0, v0, q heads of group 1, ...];
   HF keeps q, k and v apart.
-- `linear_fc1` is [gate; up] (SwiGLU). Under tensor parallelism each rank holds
-  [gate shard; up shard], so the shards do not simply concatenate into the full tensor.
-- Megatron's MTP computes `eh_proj(cat(embedding, hidden))`, MiMo's (and vLLM's)
-  `input_proj(cat(hidden, embedding))`: the two halves of the input dimension swap.
+- `linear_fc1` is [gate; up] (SwiGLU; experts and shared experts too). Under tensor
+  parallelism each rank holds [gate shard; up shard], so the shards do not simply
+  concatenate into the full tensor.
+- Megatron's MTP computes `eh_proj(cat(embedding, hidden))`, as DeepSeek's and GLM's do;
+  MiMo's (and vLLM's MiMo) `input_proj(cat(hidden, embedding))`: the halves swap.
 
-Tensor parallelism: every HF tensor travels whole. Loading slices it per rank; exporting
-all-gathers it over the tensor-parallel group; vLLM's own weight loaders slice it again
+Tensor and expert parallelism: every HF tensor travels whole. Loading slices it per rank
+(each expert-parallel rank reads its own experts); exporting all-gathers it over the
+tensor-parallel (experts: expert-tensor-parallel) group and the experts over the
+expert-parallel group; vLLM's own weight loaders slice it again
 for the rollout engine's tensor-parallel layout, so trainer and rollout engine may use
 different tensor-parallel sizes. Pipeline parallelism is not supported.
 
@@ -60,8 +68,8 @@ IN_PROCESS_BACKEND = "weight_sync_in_process"
 # `megatron_to_hf(layers=...)`: everything, the main model only, the MTP layers only, or
 # what vLLM's MTP drafter holds (the MTP layers and the embedding and output layer it shares).
 LAYER_SELECTIONS = ("all", "main", "mtp", "draft")
-MTP_HF_PREFIX = "model.mtp_layers."
-DRAFT_SHARED_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+# The megatron tensors vLLM's MTP drafter shares with the main model.
+DRAFT_SHARED_MEGATRON_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # How a megatron tensor becomes HF tensors. "copy": same tensor; "qkv": split per query
 # group into q, k, v; "gate_up": [gate; up] halves; "swap_halves": eh_proj <-> input_proj.
@@ -79,12 +87,52 @@ TRANSFORMER_LAYER_NAMES = {
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
 }
-MTP_LAYER_NAMES = {
+# GLM's optional per-head q/k norms.
+QK_NORM_NAMES = {
+    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",)),
+}
+# DeepSeek's multi-latent attention: low-rank q and kv projections, each with its norm
+# (folded into the up-projection by Transformer Engine specs). Rows keep HF's order
+# (heads outermost; kv_a_proj_with_mqa is [kv latent; shared rotary key]), so all copy.
+MLA_NAMES = {
+    "self_attention.linear_q_proj.weight": ("copy", ("self_attn.q_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("copy", ("self_attn.q_a_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_q_up_proj.layer_norm_weight": ("copy", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("copy", ("self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": ("copy", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    "self_attention.kv_layernorm.weight": ("copy", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": ("copy", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("copy", ("self_attn.kv_b_proj.weight",)),
+}
+# An MoE layer's router (its expert bias is DeepSeek's e_score_correction_bias, a buffer in
+# both) and shared experts; the routed experts are `ROUTED_EXPERT` below.
+MOE_NAMES = {
+    "mlp.router.weight": ("copy", ("mlp.gate.weight",)),
+    "mlp.router.expert_bias": ("copy", ("mlp.gate.e_score_correction_bias",)),
+    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ("mlp.shared_experts.gate_proj.weight",
+                                                         "mlp.shared_experts.up_proj.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("copy", ("mlp.shared_experts.down_proj.weight",)),
+}
+ROUTED_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+HF_ROUTED_EXPERT = re.compile(r"(.+\.mlp\.experts\.)(\d+)(\..+)")
+# The MTP layer's own tensors. MiMo keeps them under `model.mtp_layers.{j}` with its own
+# names; DeepSeek and GLM under `model.layers.{num_layers + j}`, where each MTP layer also
+# stores a copy of the embedding and output layer (`MTP_SHARED_COPIES`, by main-model name).
+MIMO_MTP_NAMES = {
     "enorm.weight": ("copy", ("token_layernorm.weight",)),
     "hnorm.weight": ("copy", ("hidden_layernorm.weight",)),
     "eh_proj.weight": ("swap_halves", ("input_proj.weight",)),
     "final_layernorm.weight": ("copy", ("final_layernorm.weight",)),
 }
+DEEPSEEK_MTP_NAMES = {
+    "enorm.weight": ("copy", ("enorm.weight",)),
+    "hnorm.weight": ("copy", ("hnorm.weight",)),
+    "eh_proj.weight": ("copy", ("eh_proj.weight",)),
+    "final_layernorm.weight": ("copy", ("shared_head.norm.weight",)),
+}
+MTP_SHARED_COPIES = {"model.embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}
 MODEL_NAMES = {
     "embedding.word_embeddings.weight": ("copy", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("copy", ("model.norm.weight",)),
@@ -96,30 +144,94 @@ MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(?:(transformer_layer|mtp_model_lay
 # q_proj), against the megatron config field they must equal.
 ATTENTION_GEOMETRY = (("num_attention_heads", "num_attention_heads"),
                       ("num_key_value_heads", "num_query_groups"),
-                      ("head_dim", "kv_channels"))
+                      ("head_dim", "kv_channels"),
+                      ("n_routed_experts", "num_moe_experts"),
+                      ("qk_nope_head_dim", "qk_head_dim"),
+                      ("qk_rope_head_dim", "qk_pos_emb_head_dim"))
 
 
 # ---------------------------------------------------------------------------------------
 # Names and layouts
 # ---------------------------------------------------------------------------------------
 
-def hf_names_for(megatron_name):
-    """(kind, HF names) for one megatron parameter name; ValueError when there is none."""
+def _is_moe(config):
+    return config is not None and bool(getattr(config, "num_moe_experts", None))
+
+
+def mtp_hf_prefix(config, mtp_layer):
+    """The HF prefix of MTP layer `mtp_layer`: MiMo's `model.mtp_layers.{j}.` for a dense model,
+    DeepSeek's (and GLM's) `model.layers.{num_layers + j}.` for an MoE one."""
+    if _is_moe(config):
+        return f"model.layers.{config.num_layers + mtp_layer}."
+    return f"model.mtp_layers.{mtp_layer}."
+
+
+def _layer_names(config):
+    """Megatron suffix -> (kind, HF suffixes) inside one transformer layer of this model."""
+    table = dict(TRANSFORMER_LAYER_NAMES)
+    if config is not None and getattr(config, "multi_latent_attention", False):
+        table.update(MLA_NAMES)
+    elif config is not None and config.qk_layernorm:
+        table.update(QK_NORM_NAMES)
+    if _is_moe(config):
+        table.update(MOE_NAMES)
+    return table
+
+
+def _expert_parallel_rank_and_size():
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def _layer_hf_names(rest, prefix, config, expert_rank):
+    """(kind, HF names) of megatron suffix `rest` in the transformer layer at `prefix`, or None.
+    Routed experts are numbered globally: EP rank r holds experts r * local + i."""
+    match = ROUTED_EXPERT.fullmatch(rest)
+    if match and _is_moe(config):
+        expert = expert_rank * (config.num_moe_experts // _expert_parallel_rank_and_size()[1]) + int(match.group(1))
+        if match.group(2) == "linear_fc1":
+            return "gate_up", (f"{prefix}mlp.experts.{expert}.gate_proj.weight",
+                               f"{prefix}mlp.experts.{expert}.up_proj.weight")
+        return "copy", (f"{prefix}mlp.experts.{expert}.down_proj.weight",)
+    table = _layer_names(config)
+    if rest in table:
+        kind, suffixes = table[rest]
+        return kind, tuple(prefix + suffix for suffix in suffixes)
+    return None
+
+
+def hf_names_for(megatron_name, config=None, expert_rank=None):
+    """(kind, HF names) for one megatron tensor name; ValueError when there is none.
+
+    `config` (the model's TransformerConfig) selects the family's names: None or a dense
+    config is MiMo; multi-latent attention is DeepSeek; experts put the MTP layers at
+    `model.layers.{num_layers + j}`. `expert_rank`: the expert-parallel rank whose local
+    experts the name counts (default: this rank's).
+    """
+    if expert_rank is None:
+        expert_rank = _expert_parallel_rank_and_size()[0]
+    found = None
     if megatron_name in MODEL_NAMES:
-        return MODEL_NAMES[megatron_name]
+        found = MODEL_NAMES[megatron_name]
     match = DECODER_LAYER.fullmatch(megatron_name)
-    if match and match.group(2) in TRANSFORMER_LAYER_NAMES:
-        kind, suffixes = TRANSFORMER_LAYER_NAMES[match.group(2)]
-        return kind, tuple(f"model.layers.{match.group(1)}.{suffix}" for suffix in suffixes)
+    if match:
+        found = _layer_hf_names(match.group(2), f"model.layers.{match.group(1)}.", config, expert_rank)
     match = MTP_LAYER.fullmatch(megatron_name)
     if match:
         layer, inner, rest = match.groups()
-        table = TRANSFORMER_LAYER_NAMES if inner else MTP_LAYER_NAMES
-        if rest in table:
-            kind, suffixes = table[rest]
-            return kind, tuple(f"{MTP_HF_PREFIX}{layer}.{suffix}" for suffix in suffixes)
-    raise ValueError(f"megatron parameter {megatron_name!r} has no Hugging Face name: expected a MiMo-style "
-                     f"GPT (Qwen2 decoder layers + MTP layers) built with megatron's local or TE layer spec")
+        prefix = mtp_hf_prefix(config, int(layer))
+        if inner:
+            found = _layer_hf_names(rest, prefix, config, expert_rank)
+        else:
+            table = DEEPSEEK_MTP_NAMES if _is_moe(config) else MIMO_MTP_NAMES
+            if rest in table:
+                kind, suffixes = table[rest]
+                found = kind, tuple(prefix + suffix for suffix in suffixes)
+    if found is None:
+        raise ValueError(f"megatron parameter {megatron_name!r} has no Hugging Face name: expected a MiMo, "
+                         "DeepSeek-V3 or GLM-4.5 GPT built by megatron_model.py with megatron's local or TE spec")
+    return found
 
 
 def _interleave_qkv(q, k, v, groups):
@@ -143,10 +255,6 @@ def _swap_halves(weight):
     return torch.cat([weight[:, half:], weight[:, :half]], dim=1)
 
 
-def _is_tensor_parallel(param):
-    return getattr(param, "tensor_model_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1
-
-
 def _unwrap(model):
     # DDP and Float16Module keep the GPTModel in `.module`.
     while hasattr(model, "module"):
@@ -157,24 +265,45 @@ def _unwrap(model):
 @dataclasses.dataclass
 class _Entry:
     megatron_name: str
-    param: torch.nn.Parameter
+    param: torch.Tensor
     kind: str
     hf_names: tuple
+    is_mtp: bool
+    # A routed expert: split over the expert-tensor-parallel group, held by one EP rank.
+    is_expert: bool
+
+
+def _tensor_parallel(entry):
+    """(group, size, rank) that `entry`'s tensor is split over; (None, 1, 0) when whole."""
+    if not getattr(entry.param, "tensor_model_parallel", False):
+        return None, 1, 0
+    if entry.is_expert:
+        size = parallel_state.get_expert_tensor_parallel_world_size()
+        return parallel_state.get_expert_tensor_parallel_group(), size, parallel_state.get_expert_tensor_parallel_rank()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_group(), size, parallel_state.get_tensor_model_parallel_rank()
 
 
 def _plan(model):
-    """One `_Entry` per megatron parameter, in the model's order (layer by layer)."""
+    """One `_Entry` per megatron tensor, in the model's order (layer by layer): the
+    parameters, and the routers' expert biases (buffers, as in HF)."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("weight_sync does not support pipeline parallelism "
                                   f"(pipeline size {parallel_state.get_pipeline_model_parallel_world_size()})")
-    return [_Entry(name, param, *hf_names_for(name)) for name, param in _unwrap(model).named_parameters()]
+    model = _unwrap(model)
+    tensors = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            tensors[name] = buffer
+    return [_Entry(name, tensor, *hf_names_for(name, model.config), is_mtp=name.startswith("mtp."),
+                   is_expert=ROUTED_EXPERT.search(name) is not None)
+            for name, tensor in tensors.items()]
 
 
 def _full_hf_shapes(entry, config):
     """The shapes the HF tensors of `entry` have (whole, not per rank)."""
     full = list(entry.param.shape)
-    if _is_tensor_parallel(entry.param):
-        full[entry.param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    full[getattr(entry.param, "partition_dim", 0)] *= _tensor_parallel(entry)[1]
     if entry.kind == "qkv":
         rest = full[1:]
         return [(config.num_attention_heads * config.kv_channels, *rest),
@@ -183,6 +312,30 @@ def _full_hf_shapes(entry, config):
     if entry.kind == "gate_up":
         return [(full[0] // 2, *full[1:])] * 2
     return [tuple(full)]
+
+
+def _hf_names_on_every_expert_rank(entry, config):
+    """`entry`'s HF names as each expert-parallel rank counts them (the rank's own experts)."""
+    if not entry.is_expert:
+        return [entry.hf_names]
+    return [hf_names_for(entry.megatron_name, config, expert_rank=rank)[1]
+            for rank in range(_expert_parallel_rank_and_size()[1])]
+
+
+def _mtp_shared_copy_names(config):
+    """HF name of each copy of the embedding and output layer that DeepSeek's layout keeps
+    in its MTP layers -> the main model's HF name it copies."""
+    if not _is_moe(config) or not config.mtp_num_layers:
+        return {}
+    return {mtp_hf_prefix(config, layer) + suffix: main
+            for layer in range(config.mtp_num_layers) for main, suffix in MTP_SHARED_COPIES.items()}
+
+
+def _is_mtp_hf_name(name, config):
+    if not _is_moe(config):
+        return name.startswith("model.mtp_layers.")
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= config.num_layers
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,8 +369,7 @@ class _Checkpoint:
 def _read_local_shard(entry, checkpoint, config):
     """This rank's part of `entry` in megatron layout, reading only the slices it needs."""
     param, names = entry.param, entry.hf_names
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    split = _is_tensor_parallel(param)
+    _, size, rank = _tensor_parallel(entry)
     if entry.kind == "qkv":
         groups = param.shape[0] // ((config.num_attention_heads // config.num_query_groups + 2) * config.kv_channels)
         q_rows = groups * (config.num_attention_heads // config.num_query_groups) * config.kv_channels
@@ -228,9 +380,9 @@ def _read_local_shard(entry, checkpoint, config):
     if entry.kind == "gate_up":
         rows = param.shape[0] // 2
         return torch.cat([checkpoint.read(name, 0, rank * rows, (rank + 1) * rows) for name in names])
-    if split:
-        size = param.shape[param.partition_dim]
-        tensor = checkpoint.read(names[0], param.partition_dim, rank * size, (rank + 1) * size)
+    if size > 1:
+        rows = param.shape[param.partition_dim]
+        tensor = checkpoint.read(names[0], param.partition_dim, rank * rows, (rank + 1) * rows)
     else:
         tensor = checkpoint.read(names[0])
     return _swap_halves(tensor) if entry.kind == "swap_halves" else tensor
@@ -240,22 +392,27 @@ def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
     """Every mismatch between checkpoint and model, as readable lines (empty: they match)."""
     problems = []
     for hf_field, megatron_field in ATTENTION_GEOMETRY:
-        if hf_field in hf_config and hf_config[hf_field] != getattr(config, megatron_field):
+        if hf_field in hf_config and hf_config[hf_field] != getattr(config, megatron_field, None):
             problems.append(f"config.json {hf_field}={hf_config[hf_field]}, the model has "
-                            f"{megatron_field}={getattr(config, megatron_field)}")
+                            f"{megatron_field}={getattr(config, megatron_field, None)}")
     expected = set()
     for entry in plan:
-        for name, shape in zip(entry.hf_names, _full_hf_shapes(entry, config)):
-            expected.add(name)
-            if name not in checkpoint.files:
-                problems.append(f"{name}: missing (expected shape {shape}, for megatron {entry.megatron_name})")
-            elif checkpoint.shape(name) != shape:
-                problems.append(f"{name}: expected shape {shape}, checkpoint has {checkpoint.shape(name)} "
-                                f"(megatron {entry.megatron_name})")
-    model_has_mtp = any(name.startswith(MTP_HF_PREFIX) for name in expected)
+        shapes = _full_hf_shapes(entry, config)
+        for names in _hf_names_on_every_expert_rank(entry, config):
+            for name, shape in zip(names, shapes):
+                expected.add(name)
+                if name not in checkpoint.files:
+                    problems.append(f"{name}: missing (expected shape {shape}, for megatron {entry.megatron_name})")
+                elif checkpoint.shape(name) != shape:
+                    problems.append(f"{name}: expected shape {shape}, checkpoint has {checkpoint.shape(name)} "
+                                    f"(megatron {entry.megatron_name})")
+    # DeepSeek's layout stores the embedding and output layer again in each MTP layer:
+    # megatron shares the main model's, so the copies are read by nothing.
+    expected.update(_mtp_shared_copy_names(config))
+    model_has_mtp = any(entry.is_mtp for entry in plan)
     for name in sorted(set(checkpoint.files) - expected):
         # A checkpoint with MTP layers loads into a model built without them (mtp=False).
-        if name.startswith(MTP_HF_PREFIX) and not model_has_mtp:
+        if not model_has_mtp and _is_mtp_hf_name(name, config):
             continue
         problems.append(f"{name}: in the checkpoint, but the model has no such tensor "
                         f"(shape {checkpoint.shape(name)})")
@@ -266,10 +423,11 @@ def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
 
 @torch.no_grad()
 def load_hf_into_megatron(model, hf_dir):
-    """Copy a MiMo-style HF checkpoint (safetensors, MTP layers optional) into a megatron GPTModel.
+    """Copy a HF checkpoint (MiMo, DeepSeek-V3, GLM-4.5; safetensors, MTP layers optional) into a megatron GPTModel.
 
     Call on every rank. Each tensor-parallel rank reads only the slices of the file it
-    holds (safetensors slicing; nothing else of the file is read into memory). Tensors
+    holds, each expert-parallel rank only its own experts (safetensors slicing; nothing
+    else of the file is read into memory). Tensors
     are cast to the parameter dtype (bf16 checkpoint into fp32 model and back is exact).
     Everything is checked before anything is copied: a missing, unexpected or wrongly
     shaped tensor, or attention geometry that differs from config.json, raises ValueError
@@ -294,53 +452,79 @@ def load_hf_into_megatron(model, hf_dir):
 # Megatron -> HF
 # ---------------------------------------------------------------------------------------
 
-def _gather_shards(param):
-    """All tensor-parallel ranks' shards of `param`, in rank order (just `param` without TP)."""
-    local = param.detach()
-    if not _is_tensor_parallel(param):
+def _gather_shards(entry):
+    """All tensor-parallel ranks' shards of `entry`, in rank order (just the tensor without TP)."""
+    local = entry.param.detach()
+    group, size, _ = _tensor_parallel(entry)
+    if size == 1:
         return [local]
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    shards = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(shards, local.contiguous(), group=group)
     return shards
+
+
+def _hf_tensors(entry, config):
+    """`entry`'s whole HF tensors (tensor-parallel shards gathered), in `entry.hf_names` order."""
+    shards = _gather_shards(entry)
+    if entry.kind == "gate_up":
+        halves = [shard.chunk(2) for shard in shards]
+        return torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves])
+    full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=entry.param.partition_dim)
+    if entry.kind == "qkv":
+        return _split_qkv(full, config.num_query_groups, config.num_attention_heads // config.num_query_groups,
+                          config.kv_channels)
+    if entry.kind == "swap_halves":
+        return (_swap_halves(full),)
+    return (full,)
+
+
+def _on_every_expert_rank(entry, config, tensors):
+    """(names, tensors) of this routed expert on each expert-parallel rank (gathered over EP)."""
+    names_per_rank = _hf_names_on_every_expert_rank(entry, config)
+    if len(names_per_rank) == 1:
+        return [(entry.hf_names, tensors)]
+    group = parallel_state.get_expert_model_parallel_group()
+    gathered = []
+    for tensor in tensors:
+        copies = [torch.empty_like(tensor) for _ in names_per_rank]
+        dist.all_gather(copies, tensor.contiguous(), group=group)
+        gathered.append(copies)
+    return [(names, [copies[rank] for copies in gathered]) for rank, names in enumerate(names_per_rank)]
 
 
 @torch.no_grad()
 def megatron_to_hf(model, layers="all"):
     """Yield `(hf_name, tensor)` for the megatron GPTModel, whole tensors in HF layout.
 
-    Call on every tensor-parallel rank (the shards are all-gathered; every rank receives
-    every tensor). One megatron parameter is gathered at a time, so the extra memory is
-    one parameter, not a model. Tensors keep the parameters' dtype and device and may
-    share storage with them (without tensor parallelism most are views): copy before
-    modifying. `layers`: "all", "main" (everything but the MTP layers), "mtp" (the MTP
-    layers only; they share embedding and output layer with the main model) or "draft"
-    (the MTP layers, embedding and output layer: what vLLM's MTP drafter holds). Order:
-    layer by layer, as the model holds them.
+    Call on every tensor- and expert-parallel rank (shards are all-gathered; every rank
+    receives every tensor, every expert included). One megatron tensor is gathered at a
+    time, so the extra memory is one tensor (times the expert-parallel size), not a
+    model. Tensors keep the parameters' dtype and device and may share storage with them
+    (without parallelism most are views): copy before modifying. `layers`: "all",
+    "main" (everything but the MTP layers), "mtp" (the MTP layers only; they share
+    embedding and output layer with the main model) or "draft" (the MTP layers,
+    embedding and output layer: what vLLM's MTP drafter holds). DeepSeek's and GLM's
+    layout keeps a copy of the embedding and output layer in each MTP layer: "all" yields
+    those copies too, last. Order: layer by layer, as the model holds them.
     """
     if layers not in LAYER_SELECTIONS:
         raise ValueError(f"layers={layers!r}: expected one of {LAYER_SELECTIONS}")
     model = _unwrap(model)
     config = model.config
+    shared_copies = _mtp_shared_copy_names(config) if layers == "all" else {}
+    main_tensors = {}
     for entry in _plan(model):
-        is_mtp = entry.hf_names[0].startswith(MTP_HF_PREFIX)
-        in_draft = is_mtp or entry.hf_names[0] in DRAFT_SHARED_HF_NAMES
-        if (layers == "main" and is_mtp) or (layers == "mtp" and not is_mtp) or (layers == "draft" and not in_draft):
+        in_draft = entry.is_mtp or entry.megatron_name in DRAFT_SHARED_MEGATRON_NAMES
+        if (layers == "main" and entry.is_mtp) or (layers == "mtp" and not entry.is_mtp) or (
+                layers == "draft" and not in_draft):
             continue
-        shards = _gather_shards(entry.param)
-        if entry.kind == "gate_up":
-            halves = [shard.chunk(2) for shard in shards]
-            tensors = (torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves]))
-        else:
-            full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=entry.param.partition_dim)
-            if entry.kind == "qkv":
-                tensors = _split_qkv(full, config.num_query_groups,
-                                     config.num_attention_heads // config.num_query_groups, config.kv_channels)
-            elif entry.kind == "swap_halves":
-                tensors = (_swap_halves(full),)
-            else:
-                tensors = (full,)
-        yield from zip(entry.hf_names, tensors)
+        for names, tensors in _on_every_expert_rank(entry, config, _hf_tensors(entry, config)):
+            for name, tensor in zip(names, tensors):
+                if name in shared_copies.values():
+                    main_tensors[name] = tensor
+                yield name, tensor
+    for copy_name, main_name in shared_copies.items():
+        yield copy_name, main_tensors[main_name]
 
 
 def save_hf_checkpoint(model, source_dir, out_dir):
