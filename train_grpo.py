@@ -183,6 +183,11 @@ def add_layout_flags(p):
     p.add_argument("--ep", type=POSITIVE_INT, default=1,
                    help="Megatron expert parallel size: an MoE model's routed experts split over this many "
                         "data-parallel ranks (1: every rank holds every expert)")
+    p.add_argument("--routing-replay", action=argparse.BooleanOptionalAction, default=None,
+                   help="MoE models: Megatron's routers use the experts vLLM routed each token to in the rollout "
+                        "(rollout routing replay, R3) instead of their own; off, the share of tokens whose experts "
+                        "agree is logged as routing_agreement (default: on for an MoE model; it costs no measurable "
+                        "time and cut the worst token's vLLM-Megatron mismatch 40x)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
@@ -413,6 +418,8 @@ def model_problems(args, hf_config):
     experts = hf_config.get("n_routed_experts")
     if args.ep > 1 and not experts:
         problems.append(f"--ep {args.ep}: {where} has no experts; expected --ep 1")
+    if args.routing_replay is True and not experts:
+        problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
     if experts and args.tp > 1:
@@ -440,7 +447,7 @@ def flag_problems(args, world_size):
 
 def resolve(args, hf_config):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
-    lr, mtp_rollout, mtp_train, bf16, max_sampling_rounds and the built-in model's name);
+    lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds and the built-in model's name);
     `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     derived = {
@@ -449,6 +456,7 @@ def resolve(args, hf_config):
         "lr": args.lr if args.lr is not None else DATA_LR if args.data else tasks.TASKS[args.task]["lr"],
         "mtp_rollout": has_mtp if args.mtp_rollout is None else args.mtp_rollout,
         "mtp_train": args.mtp_train and has_mtp,
+        "routing_replay": "n_routed_experts" in hf_config if args.routing_replay is None else args.routing_replay,
         "bf16": torch.cuda.is_available() if args.bf16 is None else args.bf16,
         "builtin_model": None if args.model else builtin_model(args)[0],
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
@@ -648,8 +656,8 @@ def header(run, args):
         f"train_grpo.py: {s.model or f'built-in {s.builtin_model} model ({run.model_dir})'}, "
         + (f"--data {s.data}" if s.data else f"task {s.task}") + f", {s.steps} steps, out {s.out}",
         f"layout: {run.world_size} processes x {torch.get_num_threads()} thread(s) on {run.device.type}, tp {s.tp} "
-        f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + ", rollout tp {s.rollout_tp}; {s.prompts_per_step} prompts x {s.group_size} completions "
-        f"per dp rank; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
+        f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + f", rollout tp {s.rollout_tp}; "
+        f"{s.prompts_per_step} prompts x {s.group_size} completions per dp rank; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
         "flags: " + (" ".join(changed) or "all defaults") + (f"; resumed at step {run.start_step}" if run.start_step
                                                             else "")])
 

@@ -117,6 +117,21 @@ def pack_micro_batch(samples, device):
     return packed + [old_logprobs.to(device) if with_old else None]
 
 
+def packed_routing(samples, device):
+    """[T, moe_layers, top_k] int64: the experts the rollout engine routed each token of the
+    samples to, concatenated like `pack_micro_batch`'s input_ids; None for a dense model."""
+    if "routed_experts" not in samples[0]:
+        return None
+    return torch.cat([sample["routed_experts"] for sample in samples]).long().to(device)
+
+
+def routing_options(samples, settings, device):
+    """forward_logprobs' keywords for the rollout's routing: replayed (--routing-replay) or
+    compared with Megatron's own."""
+    routed = packed_routing(samples, device)
+    return {} if routed is None else {"routed_experts": routed, "replay_routing": settings.routing_replay}
+
+
 @torch.no_grad()
 def record_old_logprobs(policy, samples, settings):
     """Set each sample's "old_logprobs" ([response length] fp32, on the host): its response
@@ -128,7 +143,8 @@ def record_old_logprobs(policy, samples, settings):
         micro = samples[start:start + per_micro]
         input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
         logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
-                                    temperature=settings.temperature, gather=True).logprobs.float().cpu()
+                                    temperature=settings.temperature, gather=True,
+                                    **routing_options(micro, settings, device)).logprobs.float().cpu()
         for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
             sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
 
@@ -140,7 +156,8 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
     input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = pack_micro_batch(samples, device)
     weights = grpo_loss.token_weights(loss_mask, seqlens, settings.loss_agg, num_sequences, num_tokens)
     out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=settings.temperature,
-                           with_entropy=True, mtp_train=settings.mtp_train)
+                           with_entropy=True, mtp_train=settings.mtp_train,
+                           **routing_options(samples, settings, device))
     batch, local_mask = out.batch, out.loss_mask
     # One optimizer step per rollout batch: this forward is the policy that sampled it.
     old_logprobs = out.logprobs.detach() if old_logprobs is None else batch.pack(old_logprobs)
@@ -199,6 +216,11 @@ def add_token_metrics(sums, out, old_logprobs, rollout_logprobs, acted, mask):
     sums["logprob_mismatch_mean"] += float(mismatch.sum())
     sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], float(mismatch.max()))
     sums["tokens"] += float(mask.sum())
+    if out.routing_agreement is not None:
+        # Over the loss tokens whose routing the rollout recorded.
+        known = mask * (out.routing_agreement >= 0)
+        sums["routing_agreement"] += float((out.routing_agreement.clamp(min=0) * known).sum())
+        sums["routed_tokens"] += float(known.sum())
 
 
 def train_step(policy, samples, settings):
@@ -260,7 +282,9 @@ def train(policy, samples, settings):
 TOKEN_MEAN_METRICS = ("clip_fraction", "entropy", "logprob_mismatch_mean", "kl_to_reference", "clip_low_fraction",
                       "clip_high_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl", "rollout_masked_fraction")
 STEP_MEAN_METRICS = ("mtp_loss", "total_loss")
-SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens",) + STEP_MEAN_METRICS
+# The share of loss tokens Megatron routes to the rollout's experts (MoE without replay).
+ROUTING_SUMS = ("routing_agreement", "routed_tokens")
+SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens",) + STEP_MEAN_METRICS + ROUTING_SUMS
 MAXED_METRICS = ("logprob_mismatch_max", "ratio_max")
 MINNED_METRICS = ("ratio_min",)
 # Where a max or min starts before the first token.
@@ -270,7 +294,7 @@ METRIC_START = {"logprob_mismatch_max": 0.0, "ratio_max": -math.inf, "ratio_min"
 def combine_steps(steps):
     """Metric sums of several optimizer steps -> one set: token sums add up, the MTP and
     total losses and grad_norm average over steps, maxima and minima stay extremes."""
-    combined = {name: sum(step[name] for step in steps) for name in TOKEN_MEAN_METRICS + ("tokens",)}
+    combined = {name: sum(step[name] for step in steps) for name in TOKEN_MEAN_METRICS + ("tokens",) + ROUTING_SUMS}
     combined.update({name: sum(step[name] for step in steps) / len(steps)
                      for name in STEP_MEAN_METRICS + ("grad_norm",)})
     combined.update({name: max(step[name] for step in steps) for name in MAXED_METRICS})
@@ -289,6 +313,8 @@ def reduce_metrics(sums, device):
     metrics = {name: (totals[name] / totals["tokens"].clamp(min=1)).item() for name in TOKEN_MEAN_METRICS}
     metrics["mtp_loss"] = totals["mtp_loss"].item() / parallel_state.get_data_parallel_world_size()
     metrics["total_loss"] = totals["total_loss"].item()
+    metrics["routing_agreement"] = ((totals["routing_agreement"] / totals["routed_tokens"]).item()
+                                    if totals["routed_tokens"] > 0 else None)
     for names, op in ((MAXED_METRICS, dist.ReduceOp.MAX), (MINNED_METRICS, dist.ReduceOp.MIN)):
         extremes = torch.tensor([sums[name] for name in names], device=device, dtype=torch.float64)
         dist.all_reduce(extremes, op=op, group=group)
