@@ -53,9 +53,9 @@ CPU_MLA_BACKEND = "CPU_MLA"
 CPU_MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
 
-def _uses_mla(model_dir):
+def _config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
-        return "kv_lora_rank" in json.load(f)
+        return json.load(f)
 
 
 def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_model_len, draft_tokens=0,
@@ -66,7 +66,8 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
     from vllm import LLM
     options = dict(model=model_dir, tensor_parallel_size=rollout_tp, distributed_executor_backend="external_launcher",
                    dtype=dtype, max_model_len=max_model_len, seed=seed + rank // rollout_tp,
-                   enforce_eager=not torch.cuda.is_available(),
+                   # CUDA graphs replay without calling RoutingRecorder's hooks: MoE engines run eager.
+                   enforce_eager=not torch.cuda.is_available() or "n_routed_experts" in _config(model_dir),
                    disable_log_stats=False, use_tqdm_on_load=False,
                    weight_transfer_config=weight_sync.in_process_weight_transfer_config())
     if temperature != 1.0:
@@ -76,7 +77,7 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
     else:
         options.update(kv_cache_memory_bytes=kv_cache_bytes)
-    cpu_mla = not torch.cuda.is_available() and _uses_mla(model_dir)
+    cpu_mla = not torch.cuda.is_available() and "kv_lora_rank" in _config(model_dir)
     if cpu_mla:
         options.update(attention_config={"backend": CPU_MLA_BACKEND},
                        compilation_config={"custom_ops": CPU_MLA_CUSTOM_OPS})
@@ -103,7 +104,8 @@ class RoutingRecorder:
     runner's forward is wrapped to file each row under the request and position it
     computed (the scheduler's layout of that pass). A later pass over a position (a draft
     verified again after a rejection) overwrites it, so what stays is what the sampled
-    tokens saw. `routed_experts` reads one completion's rows out.
+    tokens saw. `routed_experts` reads one completion's rows out. The hooks run in Python,
+    so an engine replaying CUDA graphs would skip them: build_engine runs MoE models eager.
     """
 
     def __init__(self, llm):
@@ -231,8 +233,7 @@ def build_engines(model_dir, *, mtp_rollout, num_speculative_tokens, max_specula
                       rollout_tp=engine_options["rollout_tp"], deepest=deepest, check_draft_every=check_draft_every,
                       tuner=draft_tuner.DraftTuner(max_speculative_tokens) if auto else None,
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        moe = "n_routed_experts" in json.load(f)
+    moe = "n_routed_experts" in _config(model_dir)
     for engine in engines.all():
         engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
         if moe:
