@@ -64,10 +64,11 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
     MTP head (0: no drafting; `dynamic`: switchable down to 0 per rollout). dtype:
     "float32" or "bfloat16". `spec_overrides`: the user's speculative_config JSON."""
     from vllm import LLM
+    config = _config(model_dir)
     options = dict(model=model_dir, tensor_parallel_size=rollout_tp, distributed_executor_backend="external_launcher",
                    dtype=dtype, max_model_len=max_model_len, seed=seed + rank // rollout_tp,
                    # CUDA graphs replay without calling RoutingRecorder's hooks: MoE engines run eager.
-                   enforce_eager=not torch.cuda.is_available() or "n_routed_experts" in _config(model_dir),
+                   enforce_eager=not torch.cuda.is_available() or "n_routed_experts" in config,
                    disable_log_stats=False, use_tqdm_on_load=False,
                    weight_transfer_config=weight_sync.in_process_weight_transfer_config())
     if temperature != 1.0:
@@ -77,7 +78,7 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
     else:
         options.update(kv_cache_memory_bytes=kv_cache_bytes)
-    cpu_mla = not torch.cuda.is_available() and "kv_lora_rank" in _config(model_dir)
+    cpu_mla = not torch.cuda.is_available() and "kv_lora_rank" in config
     if cpu_mla:
         options.update(attention_config={"backend": CPU_MLA_BACKEND},
                        compilation_config={"custom_ops": CPU_MLA_CUSTOM_OPS})

@@ -819,11 +819,8 @@ def _draft_tensors_mapped(drafter, mapper, model):
         in_use = _weight_in_use(module, param_name, param)
         expected = _loaded_by_vllm(module, param_name, param, in_use,
                                    [(shard_id, tensor) for _, shard_id, tensor in received])
-        if not torch.equal(in_use, expected):
-            difference = (in_use.float() - expected.float()).abs().max().item()
-            problems.append(f"{' + '.join(name for name, _, _ in received)} (vLLM {vllm_name}): differs from "
-                            f"Megatron's by up to {difference:.3e}")
-    return len(parts), problems
+        problems.append(_mismatch(" + ".join(name for name, _, _ in received), vllm_name, in_use, expected))
+    return len(parts), [problem for problem in problems if problem is not None]
 
 
 def _scratch_parameter(module, param_name, param, record, current_hf_name):
