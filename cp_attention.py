@@ -23,6 +23,10 @@ start mid-sequence). Work per sequence is its length squared over cp (plus bucke
 padding: a bucket holds units with at least BUCKET_LENGTH_RATIO of its longest key
 length); no tensor spans the whole pack except the gathers in and out.
 
+A shared-prefix pack (cp_thd.pack_shared_prefix, CP 1) has its own units: each group's
+prefix (causal), and each member's segment, whose keys are the prefix and then its own
+slots (a mask: its first query sits at key position len(prefix)).
+
 Per-sequence SDPA calls and buckets cost about the same on mixed lengths; buckets win on
 equal lengths and many short sequences (one call per bucket, not per sequence) and need
 no Python loop over sequences. torch's jagged nested-tensor SDPA has no CPU kernel that
@@ -48,13 +52,15 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from cp_thd import CHUNKS_PER_RANK, zigzag_gathered_slot
+from cp_thd import CHUNKS_PER_RANK, SharedPrefixSeqParams, zigzag_gathered_slot
 
 # A bucket holds the units whose key length is at least this fraction of its longest:
 # padding costs at most 1/ratio^2 per unit, and lognormal lengths 16..256 take ~10 buckets.
 BUCKET_LENGTH_RATIO = 0.8
 # Units this short all share one bucket: their padding costs less than another SDPA call.
 SHORT_UNIT_KEYS = 32
+# Where `shared_prefix_plan` keeps a batch's plan: on its PackedSeqParams, for the next layers.
+PLAN_ATTRIBUTE = "_cp_attention_plan"
 
 
 @dataclasses.dataclass
@@ -108,11 +114,52 @@ def attention_plan(seqlens_padded, cp_size, cp_rank, local_tokens):
         unit_start = torch.stack([local_starts, local_starts + chunk], 1).view(-1)
         unit_queries = torch.stack([chunk, chunk], 1).view(-1)
         unit_first_position = torch.stack([cp_rank * chunk, mirror * chunk], 1).view(-1)
+
+    def key_slots(units, key_position):
+        return zigzag_gathered_slot(seqlens_padded, cp_size, unit_sequence[units, None], key_position, local_tokens)
+
+    return _bucketed_plan(unit_start, unit_queries, unit_first_position, key_slots, local_tokens)
+
+
+def shared_prefix_plan(packed_seq_params, local_tokens):
+    """The buckets of a shared-prefix pack (cp_thd.pack_shared_prefix, CP 1): a unit's keys
+    are its context (its group's prefix), then its own slots; its first query sits at key
+    position context_length. Computed once per batch and kept on `packed_seq_params`, so
+    every layer of a forward shares it."""
+    device = packed_seq_params.unit_starts.device
+    cached = getattr(packed_seq_params, PLAN_ATTRIBUTE, None)
+    if cached is not None and cached[0] == (local_tokens, device):
+        return cached[1]
+    unit_start, context_start = packed_seq_params.unit_starts, packed_seq_params.context_starts
+    context_length = packed_seq_params.context_lengths
+
+    def key_slots(units, key_position):
+        length = context_length[units, None]
+        return torch.where(key_position < length, context_start[units, None] + key_position,
+                           unit_start[units, None] + key_position - length)
+
+    plan = _bucketed_plan(unit_start, packed_seq_params.unit_lengths, context_length, key_slots, local_tokens)
+    setattr(packed_seq_params, PLAN_ATTRIBUTE, ((local_tokens, device), plan))
+    return plan
+
+
+def _bucketed_plan(unit_start, unit_queries, unit_first_position, key_slots, local_tokens):
+    """Units -> an AttentionPlan. Unit u's queries are the local slots unit_start[u] + j (j <
+    unit_queries[u]); its keys are key positions 0 .. unit_first_position[u] + unit_queries[u]
+    - 1, at the gathered rows `key_slots(units, key_position)` gives ([n] unit ids, [n, keys]
+    positions -> [n, keys] rows); query j sees key positions <= unit_first_position[u] + j.
+    Empty units are dropped. Buckets whose units all start at key position 0 run causal,
+    the others with a mask."""
+    device = unit_start.device
+    kept = unit_queries > 0
+    unit_ids = torch.arange(len(unit_start), device=device)[kept]
+    unit_start, unit_queries, unit_first_position = unit_start[kept], unit_queries[kept], unit_first_position[kept]
     # A unit sees keys at positions 0 .. its last query's position.
     unit_keys = unit_first_position + unit_queries
 
     order = torch.argsort(unit_keys, descending=True, stable=True)
-    sorted_keys, sorted_queries = torch.stack([unit_keys[order], unit_queries[order]]).tolist()
+    sorted_keys, sorted_queries, sorted_first_positions = torch.stack(
+        [unit_keys[order], unit_queries[order], unit_first_position[order]]).tolist()
     ascending_keys = sorted_keys[::-1]
     buckets, query_index, key_index, slots, rows = [], [], [], [], []
     start, row = 0, 0
@@ -128,10 +175,9 @@ def attention_plan(seqlens_padded, cp_size, cp_rank, local_tokens):
         key_position = torch.minimum(torch.arange(num_keys, device=device), unit_keys[units, None] - 1)
         query_slot = unit_start[units, None] + query_offset
         query_index.append(query_slot.view(-1))
-        key_index.append(zigzag_gathered_slot(seqlens_padded, cp_size, unit_sequence[units, None], key_position,
-                                              local_tokens).view(-1))
+        key_index.append(key_slots(unit_ids[units], key_position).view(-1))
         mask = None
-        if cp_size > 1:
+        if max(sorted_first_positions[start:end]) > 0:
             query_position = unit_first_position[units, None] + query_offset
             mask = (torch.arange(num_keys, device=device) <= query_position[..., None])[:, None]
         real = torch.arange(num_queries, device=device) < unit_queries[units, None]
@@ -146,7 +192,8 @@ def attention_plan(seqlens_padded, cp_size, cp_rank, local_tokens):
                          key_rows=[b.units * b.keys for b in buckets])
 
 
-def packed_causal_attention(query, key, value, seqlens_padded, cp_size=1, cp_rank=0, *, dropout_p=0.0, scale=None):
+def packed_causal_attention(query, key, value, seqlens_padded, cp_size=1, cp_rank=0, *, dropout_p=0.0, scale=None,
+                            plan=None):
     """Causal attention within each sequence of CP rank `cp_rank`'s share of a packed batch.
 
     query: [T_local, heads, head_dim], this rank's slots in the zigzag layout.
@@ -157,9 +204,11 @@ def packed_causal_attention(query, key, value, seqlens_padded, cp_size=1, cp_ran
     seqlens_padded: [B] int64, the layout's padded lengths.
     dropout_p: attention-probability dropout, drawn from the default generator (fork an
       RNG state around the call for reproducibility). scale: None is 1/sqrt(head_dim).
+    plan: an `AttentionPlan` to use instead (a shared-prefix pack's; seqlens_padded unused).
     Returns [T_local, heads * value_head_dim] in the query's dtype. Differentiable in all three.
     """
-    plan = attention_plan(seqlens_padded, cp_size, cp_rank, query.shape[0])
+    if plan is None:
+        plan = attention_plan(seqlens_padded, cp_size, cp_rank, query.shape[0])
     heads, groups, head_dim, value_head_dim = query.shape[1], key.shape[1], query.shape[2], value.shape[2]
     # One gather per input and one at the end: their backward is one index_add each, not one per bucket.
     queries = query.index_select(0, plan.query_index).split(plan.query_rows)
@@ -239,6 +288,9 @@ class ContextParallelTHDAttention(torch.nn.Module):
     Same dtype as the inputs.
     """
 
+    # forward.py's shared-prefix layout needs a core attention that reads its units.
+    reads_shared_prefix_units = True
+
     def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
                  **unused_release_specific):
@@ -267,6 +319,12 @@ class ContextParallelTHDAttention(torch.nn.Module):
 
     def _thd(self, query, key, value, packed_seq_params, dropout_p):
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        if isinstance(packed_seq_params, SharedPrefixSeqParams):
+            if cp_size > 1:
+                raise ValueError(f"a shared-prefix pack is a CP 1 layout; this attention runs at CP {cp_size}")
+            with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext():
+                return packed_causal_attention(query, key, value, None, dropout_p=dropout_p, scale=self.softmax_scale,
+                                               plan=shared_prefix_plan(packed_seq_params, query.shape[0]))
         cu_seqlens_padded = packed_seq_params.cu_seqlens_q_padded
         if cu_seqlens_padded is None:
             cu_seqlens_padded = packed_seq_params.cu_seqlens_q

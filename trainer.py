@@ -15,11 +15,13 @@ every rank before the optimizer touches the weights, so the last checkpoint stay
 `settings` is any object with the attributes named in the code (train_grpo's resolved
 flags): lr, grad_clip, tp, cp, bf16, kl_coef, mtp_train, mtp_rollout, temperature,
 loss, loss_agg, clip_low, clip_high, dual_clip, tis_cap, rollout_mask, rollout_mask_low,
-rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs.
+rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs,
+group_size, shared_prefix.
 Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
 megatron_model and weight_sync.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -37,6 +39,11 @@ from forward import forward_logprobs
 from megatron_model import build_gpt_model
 
 ADAM_EPS = 1e-8
+# Gradient all-reduce buckets: at least four per model, so the first ones travel while
+# backward computes the rest (bit-identical sums; ~7% of the tiny model's CPU step), and
+# at most megatron-core's own default size.
+MIN_GRAD_BUCKETS = 4
+MAX_GRAD_BUCKET_ELEMENTS = 40_000_000
 
 
 # ---------------------------------------------------------------------------------------
@@ -53,15 +60,21 @@ class Policy:
     reference: torch.nn.Module = None
 
 
-def build_optimizer(model, lr, grad_clip):
+def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True):
     """megatron-core's DDP wrapper (bucketed gradient all-reduce over data x context
     parallel ranks into fp32 `main_grad` buffers) and its Adam (fp32 master weights for a
     bf16 model, global gradient-norm clipping); returns (ddp_model, optimizer).
 
     Freeze parameters before calling: DDP allocates buffers for the trainable ones only.
+    Wrap a model once: megatron's DDP leaves its backward hooks on the parameters.
+    With `overlap_grad_reduce` each bucket's all-reduce starts in backward, and
+    `finish_grad_sync` waits for them (call backward once per step, or under `no_sync`).
     """
+    trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    bucket_size = min(MAX_GRAD_BUCKET_ELEMENTS, math.ceil(trainable / MIN_GRAD_BUCKETS))
     ddp_model = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=False))
+        grad_reduce_in_fp32=True, use_distributed_optimizer=False, overlap_grad_reduce=overlap_grad_reduce,
+        bucket_size=bucket_size))
     config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99,
                              adam_eps=ADAM_EPS, clip_grad=grad_clip, bf16=model.config.bf16,
                              params_dtype=model.config.params_dtype)
@@ -125,11 +138,17 @@ def packed_routing(samples, device):
     return torch.cat([sample["routed_experts"] for sample in samples]).long().to(device)
 
 
-def routing_options(samples, settings, device):
-    """forward_logprobs' keywords for the rollout's routing: replayed (--routing-replay) or
-    compared with Megatron's own."""
-    routed = packed_routing(samples, device)
-    return {} if routed is None else {"routed_experts": routed, "replay_routing": settings.routing_replay}
+def forward_options(samples, settings, device, routing=True):
+    """forward_logprobs' keywords for these samples: the shared-prefix groups
+    (--shared-prefix: one prompt's completions are consecutive, group_size of them, so runs
+    of gcd(len(samples), group_size) lie within one prompt's wherever a micro-batch starts)
+    and, with `routing`, the rollout's routing, replayed (--routing-replay) or compared with
+    Megatron's own."""
+    options = {"prefix_group_size": math.gcd(len(samples), settings.group_size)} if settings.shared_prefix else {}
+    routed = packed_routing(samples, device) if routing else None
+    if routed is not None:
+        options.update(routed_experts=routed, replay_routing=settings.routing_replay)
+    return options
 
 
 @torch.no_grad()
@@ -144,7 +163,7 @@ def record_old_logprobs(policy, samples, settings):
         input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
         logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
                                     temperature=settings.temperature, gather=True,
-                                    **routing_options(micro, settings, device)).logprobs.float().cpu()
+                                    **forward_options(micro, settings, device)).logprobs.float().cpu()
         for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
             sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
 
@@ -157,7 +176,7 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
     weights = grpo_loss.token_weights(loss_mask, seqlens, settings.loss_agg, num_sequences, num_tokens)
     out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=settings.temperature,
                            with_entropy=True, mtp_train=settings.mtp_train,
-                           **routing_options(samples, settings, device))
+                           **forward_options(samples, settings, device))
     batch, local_mask = out.batch, out.loss_mask
     # One optimizer step per rollout batch: this forward is the policy that sampled it.
     old_logprobs = out.logprobs.detach() if old_logprobs is None else batch.pack(old_logprobs)
@@ -177,7 +196,8 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
     if policy.reference is not None:
         with torch.no_grad():
             reference_logprobs = forward_logprobs(policy.reference, input_ids, seqlens, loss_mask=loss_mask,
-                                                  temperature=settings.temperature).logprobs
+                                                  temperature=settings.temperature,
+                                                  **forward_options(samples, settings, device, routing=False)).logprobs
         k3 = grpo_loss.k3_kl(out.logprobs, reference_logprobs) * local_mask
         loss = loss + settings.kl_coef * (k3 * local_weights).sum()
         sums["kl_to_reference"] += float((k3 * local_mask).sum())
@@ -250,7 +270,10 @@ def train_step(policy, samples, settings):
         if not finite.item():
             raise FloatingPointError(f"non-finite loss at micro-batch {start // per_micro} (this rank: "
                                      f"{loss.item()}); stopping with the last checkpoint in --out intact")
-        loss.backward()
+        # The all-reduce starts during the last micro-batch's backward, once its gradients are summed.
+        last = start + per_micro >= len(samples)
+        with contextlib.nullcontext() if last else policy.ddp_model.no_sync():
+            loss.backward()
     policy.ddp_model.finish_grad_sync()
     # DDP averages over data x context parallel ranks; the loss is normalised globally
     # (token_weights), so the gradient wanted is the sum.

@@ -48,6 +48,7 @@ import os
 import re
 import shutil
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -284,6 +285,12 @@ def _tensor_parallel(entry):
     return parallel_state.get_tensor_model_parallel_group(), size, parallel_state.get_tensor_model_parallel_rank()
 
 
+# Per GPTModel: megatron name -> (kind, HF names, is_mtp, is_expert). Every push and draft
+# check maps every tensor's name through regular expressions: once per model is enough (the
+# tensors themselves are looked up on each call, so a buffer a `.to()` replaced is current).
+_NAME_MAPS = weakref.WeakKeyDictionary()
+
+
 def _plan(model):
     """One `_Entry` per megatron tensor, in the model's order (layer by layer): the
     parameters, and the routers' expert biases (buffers, as in HF)."""
@@ -295,9 +302,11 @@ def _plan(model):
     for name, buffer in model.named_buffers():
         if name.endswith("router.expert_bias"):
             tensors[name] = buffer
-    return [_Entry(name, tensor, *hf_names_for(name, model.config), is_mtp=name.startswith("mtp."),
-                   is_expert=ROUTED_EXPERT.search(name) is not None)
-            for name, tensor in tensors.items()]
+    names = _NAME_MAPS.setdefault(model, {})
+    for name in tensors.keys() - names.keys():
+        names[name] = (*hf_names_for(name, model.config), name.startswith("mtp."),
+                       ROUTED_EXPERT.search(name) is not None)
+    return [_Entry(name, tensor, *names[name]) for name, tensor in tensors.items()]
 
 
 def _full_hf_shapes(entry, config):
@@ -468,6 +477,8 @@ def _hf_tensors(entry, config):
     shards = _gather_shards(entry)
     if entry.kind == "gate_up":
         halves = [shard.chunk(2) for shard in shards]
+        if len(halves) == 1:  # whole: the halves are views, not copies
+            return halves[0]
         return torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves])
     full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=entry.param.partition_dim)
     if entry.kind == "qkv":
@@ -642,6 +653,7 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     recorded as the engine's weight version (`llm.get_weight_version()`). Nothing is sent
     for the draft's shared embedding and output layer or for rotary caches: they keep
     their (current) values, and vLLM's warning that says so for each is filtered out.
+    The engine's prefix cache is emptied (its keys and values are the old weights').
     Returns a summary: {"entry_points": "public" | "load_weights", "tensors", "bytes",
     "buckets", "largest_bucket_bytes"}.
     """
@@ -676,6 +688,9 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
                 summary["buckets"] += 1
                 summary["largest_bucket_bytes"] = max(summary["largest_bucket_bytes"], bucket_size)
             finish()
+    # vLLM's prefix cache outlives a weight update: a prompt that shares a full KV block
+    # with an earlier one would attend to keys and values of the old weights.
+    llm.reset_prefix_cache()
     if weight_version is not None:
         llm.update_weight_version(weight_version)
     return summary
