@@ -11,7 +11,10 @@ the rollout sampler saw).
     loss.backward()                                                          # MTP loss rides along
 
 How it stays right and cheap:
-- Packing is `cp_thd.pack_thd`: zigzag THD layout across context-parallel ranks.
+- Packing is `cp_thd.pack_thd`: zigzag THD layout across context-parallel ranks. With
+  `prefix_group_size` (GRPO groups, CP 1) it is `cp_thd.pack_shared_prefix`: each group's
+  prompt once, every rotary embedding reading the tokens' own positions (megatron would
+  number the pack's slots), as many prompt tokens shared as leave every output unchanged.
 - `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
   positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
   `position_ids` and crash on `None`. (A vision model, which computes its own positions,
@@ -47,7 +50,8 @@ class ForwardOutput:
     mtp_loss: fp32 scalar tensor (detached), this rank's MTP loss summed over MTP depths
       (summed over CP ranks: the batch's), from `model.mtp_losses` which mtp_patch.py sets;
       None when MTP training is off or the model is not patched.
-    batch: the `ThdBatch` the model ran on (use `batch.pack` for advantages, old log-probs).
+    batch: the `ThdBatch` (or `SharedPrefixBatch`) the model ran on (use `batch.pack` for
+      advantages, old log-probs).
     routing_agreement [T_local] fp32 or None: with `routed_experts` and no replay, 1 where
       Megatron routed the token to the same experts as the rollout engine in every MoE
       layer, 0 where not, and -1 where the rollout's routing is unknown (padding, last tokens).
