@@ -319,12 +319,9 @@ class ContextParallelTHDAttention(torch.nn.Module):
 
     def _thd(self, query, key, value, packed_seq_params, dropout_p):
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
-        if isinstance(packed_seq_params, SharedPrefixSeqParams):
-            if cp_size > 1:
-                raise ValueError(f"a shared-prefix pack is a CP 1 layout; this attention runs at CP {cp_size}")
-            with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext():
-                return packed_causal_attention(query, key, value, None, dropout_p=dropout_p, scale=self.softmax_scale,
-                                               plan=shared_prefix_plan(packed_seq_params, query.shape[0]))
+        shared_prefix = isinstance(packed_seq_params, SharedPrefixSeqParams)
+        if shared_prefix and cp_size > 1:
+            raise ValueError(f"a shared-prefix pack is a CP 1 layout; this attention runs at CP {cp_size}")
         cu_seqlens_padded = packed_seq_params.cu_seqlens_q_padded
         if cu_seqlens_padded is None:
             cu_seqlens_padded = packed_seq_params.cu_seqlens_q
@@ -334,9 +331,10 @@ class ContextParallelTHDAttention(torch.nn.Module):
             # along the head dimension: MLA's value heads are narrower than its key heads.
             key_value = _AllGatherSequence.apply(torch.cat([key, value], dim=-1), self.cp_group)
             key, value = key_value.split([key.shape[-1], value.shape[-1]], dim=-1)
+        plan = shared_prefix_plan(packed_seq_params, query.shape[0]) if shared_prefix else None
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else contextlib.nullcontext():
             return packed_causal_attention(query, key, value, seqlens_padded, cp_size, cp_rank, dropout_p=dropout_p,
-                                           scale=self.softmax_scale)
+                                           scale=self.softmax_scale, plan=plan)
 
     def _sdpa(self, q, k, v, mask, dropout_p, is_causal):
         # Grouped-query attention: megatron orders the query heads of one group contiguously.
