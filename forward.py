@@ -14,7 +14,9 @@ How it stays right and cheap:
 - Packing is `cp_thd.pack_thd`: zigzag THD layout across context-parallel ranks. With
   `prefix_group_size` (GRPO groups, CP 1) it is `cp_thd.pack_shared_prefix`: each group's
   prompt once, every rotary embedding reading the tokens' own positions (megatron would
-  number the pack's slots), as many prompt tokens shared as leave every output unchanged.
+  number the pack's slots), as many prompt tokens shared as leave every output unchanged;
+  its MTP targets go to the model explicitly (mtp_patch's MTP_TARGETS_ATTRIBUTE), as one
+  shared slot predicts each member's own next tokens.
 - `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
   positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
   `position_ids` and crash on `None`. (A vision model, which computes its own positions,
@@ -26,7 +28,7 @@ How it stays right and cheap:
   [s, b, vocab/tp]); log-probs come from megatron's vocab-parallel cross entropy and
   entropy from a vocab-parallel reduction: no rank ever holds the full vocabulary.
 
-Imports torch, megatron-core and cp_thd.
+Imports torch, megatron-core, cp_thd and mtp_patch.
 """
 
 import contextlib
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from cp_thd import ThdBatch, pack_shared_prefix, pack_thd
+from mtp_patch import MTP_TARGETS_ATTRIBUTE, patched
 
 
 @dataclass
@@ -135,8 +138,8 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     prefix_group_size: G, when each G consecutive sequences may share a prefix (GRPO's
       completions of one prompt): each group's common prefix runs once (cp_thd's
       shared-prefix layout; CP 1, no sequence parallel, pad_multiple 1, and a core attention
-      that reads it: cp_attention's). Same outputs as without, on fewer tokens; a batch
-      where sharing would change a loss (`shared_prefix_lengths`) runs unshared.
+      that reads it: cp_attention's; with mtp_train, megatron patched by mtp_patch.py).
+      Same outputs as without, on fewer tokens (`shared_prefix_lengths`).
     Returns `ForwardOutput`. Gradients flow from logprobs/entropy into the model.
     """
     if temperature <= 0:
@@ -151,13 +154,15 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
                              "like input_ids")
         next_token_mask = next_token_mask * loss_mask.to(next_token_mask)
     loss_mask = next_token_mask
-    shared_lengths = None
-    if prefix_group_size is not None:
-        _check_shared_prefix_layout(model, cp_group.size(), pad_multiple, prefix_group_size, len(seqlens))
+    shared = prefix_group_size is not None
+    if shared:
         mtp_depth = (config.mtp_num_layers or 0) if mtp_train else 0
+        _check_shared_prefix_layout(model, cp_group.size(), pad_multiple, prefix_group_size, len(seqlens), mtp_depth)
         shared_lengths = shared_prefix_lengths(input_ids, seqlens, loss_mask, prefix_group_size, mtp_depth)
-    if shared_lengths is not None:
         batch = pack_shared_prefix(input_ids, seqlens, group_size=prefix_group_size, shared_lengths=shared_lengths)
+        if mtp_depth:
+            setattr(batch.packed_seq_params, MTP_TARGETS_ATTRIBUTE,
+                    mtp_targets(batch.slot_of_token, input_ids, seqlens, loss_mask, mtp_depth))
     else:
         batch = pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
                          tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
@@ -165,7 +170,7 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
-    rope = _rope_at_positions(model, batch.position_ids) if shared_lengths is not None else contextlib.nullcontext()
+    rope = _rope_at_positions(model, batch.position_ids) if shared else contextlib.nullcontext()
     with _rollout_routing(model, batch, routed_experts, replay_routing) as routing, rope:
         logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
 
@@ -187,17 +192,16 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
 
 def shared_prefix_lengths(input_ids, seqlens, loss_mask, group_size, mtp_depth):
     """How many leading tokens each group of `group_size` consecutive sequences stores once
-    (cp_thd.pack_shared_prefix) with every output the same as unshared: [B // group_size]
-    int64, or None when a group's loss starts too early for that layout.
+    (cp_thd.pack_shared_prefix) with every output the same as unshared: [B // group_size] int64.
 
     input_ids [T_total] int, seqlens [B] int64, loss_mask [T_total] fp32 (the next-token
     mask: > 0 where a prediction is in the loss), mtp_depth: MTP layers trained (0: none).
-    A stored-once token t of group g must have the same outputs and no loss in every
-    member: the main output at t reads tokens 0..t and predicts t + 1; MTP layer d reads
-    t + d and predicts t + d + 1 (its loss mask is the main one at t + d). So S_g =
-    min(common_prefix - mtp_depth - 1, first_loss - mtp_depth), at least 0. The pack's MTP
-    roll runs across segment ends into the next segment's first slots; their losses are 0
-    only while every group's first loss sits at or after position mtp_depth (else: None).
+    A stored-once token t of group g must read the same inputs in every member and carry
+    no main loss: the main output at t reads tokens 0..t, MTP layer d reads token t + d
+    (the pack's roll takes it from the next slot, the first member's: stored, so t + d <
+    shortest - 1), and the main loss at t predicts t + 1. The MTP outputs at t may predict
+    each member's own tokens: their targets go to the model explicitly (`mtp_targets`). So
+    S_g = min(common_prefix - mtp_depth, first_loss, shortest - 1 - mtp_depth), at least 0.
     """
     num_groups = len(seqlens) // group_size
     starts = torch.cumsum(seqlens, 0) - seqlens
@@ -211,14 +215,38 @@ def shared_prefix_lengths(input_ids, seqlens, loss_mask, group_size, mtp_depth):
     in_loss = (valid & (loss_mask[token] > 0)).view(ids.shape).any(dim=1)
     shortest = seqlens.view(num_groups, group_size).min(dim=1).values
     first_loss = torch.where(in_loss.any(dim=1), in_loss.long().argmax(dim=1), shortest)
-    if bool((first_loss < mtp_depth).any()):
-        return None
-    return torch.minimum(common_prefix - mtp_depth - 1, first_loss - mtp_depth).clamp(min=0)
+    return torch.minimum(torch.minimum(common_prefix - mtp_depth, first_loss), shortest - 1 - mtp_depth).clamp(min=0)
 
 
-def _check_shared_prefix_layout(model, cp_size, pad_multiple, group_size, num_sequences):
-    """Refuse a shared-prefix forward the layout or the model's attention cannot run."""
+def mtp_targets(slot_of_token, input_ids, seqlens, loss_mask, mtp_depth):
+    """The MTP targets of a shared-prefix pack, for mtp_patch (MTP_TARGETS_ATTRIBUTE): per
+    depth d in 1..mtp_depth, (rows [E] int64, labels [E] int64, weights [E] fp32).
+
+    slot_of_token [T_total] int64 (`SharedPrefixBatch.slot_of_token`), input_ids [T_total],
+    seqlens [B], loss_mask [T_total] (the next-token mask). Token i's depth-d output
+    predicts token i + d + 1 of its sequence, weighted by the main mask at i + d (what
+    megatron's roll of labels and mask gives within a sequence); it sits at i's slot, so a
+    slot the members of a group share carries each member's target.
+    """
+    total = len(input_ids)
+    token = torch.arange(total, device=input_ids.device)
+    starts = torch.cumsum(seqlens, 0) - seqlens
+    # Tokens from each one to the end of its sequence, itself included.
+    remaining = torch.repeat_interleave(starts + seqlens, seqlens) - token
+    targets = []
+    for depth in range(1, mtp_depth + 1):
+        weights = torch.where(remaining > depth + 1, loss_mask[(token + depth).clamp(max=total - 1)], 0.0)
+        counted = weights > 0
+        targets.append((slot_of_token[counted], input_ids[token[counted] + depth + 1].long(), weights[counted].float()))
+    return targets
+
+
+def _check_shared_prefix_layout(model, cp_size, pad_multiple, group_size, num_sequences, mtp_depth):
+    """Refuse a shared-prefix forward the layout, the model's attention or megatron's MTP loss cannot run."""
     problems = []
+    if mtp_depth and not patched():
+        problems.append("MTP training on an unpatched megatron-core (call mtp_patch.patch_megatron_mtp(): its MTP "
+                        "loss takes the layout's explicit targets)")
     if cp_size > 1:
         problems.append(f"context parallel size {cp_size} (the layout is CP 1)")
     if model.config.sequence_parallel:

@@ -26,6 +26,12 @@ in README.md). `patch_megatron_mtp()` replaces three functions of megatron-core 
 7. Packed sequences (0.16+) roll by one position per MTP depth with one all-gather over
    the CP group and a vectorised index map (`roll_packed`), not megatron's loop over
    sequences with an isend/irecv pair per sequence and roll: same values, exactly.
+8. Explicit MTP targets: a packing whose slots are not one sequence after another (one
+   slot serving several sequences, as a GRPO group's shared prompt does) sets
+   `packed_seq_params.mtp_targets` (MTP_TARGETS_ATTRIBUTE): per depth (rows [E] int64,
+   labels [E] int64, weights [E] fp32), each target the label a slot's MTP output at that
+   depth predicts. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
+   sum(weights): a slot may carry several targets, and labels and mask are not rolled.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
@@ -61,6 +67,8 @@ PATCHED_FUNCTIONS = (
 # Set on each replacement: the options it was made with. Guards against patching twice
 # (whichever copy of this module patched first) and marks what `unpatch` may restore.
 PATCH_MARK = "_mtp_patch_options"
+# Where a packing puts explicit MTP targets (item 8 above) on its PackedSeqParams.
+MTP_TARGETS_ATTRIBUTE = "mtp_targets"
 
 # Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
 CHUNKS_PER_RANK = 2
@@ -120,6 +128,15 @@ def patch_megatron_mtp(*, decouple=True):
         setattr(replacement, PATCH_MARK, options)
         setattr(owner, name, replacement)
     return len(targets)
+
+
+def patched():
+    """Whether `patch_megatron_mtp`'s functions are in place (with any options)."""
+    try:
+        _, targets = _import_megatron()
+    except RuntimeError:
+        return False
+    return all(getattr(vars(owner).get(name), PATCH_MARK, None) is not None for owner, name in targets)
 
 
 def unpatch_megatron_mtp():
@@ -350,9 +367,17 @@ def _make_process_mtp_loss(megatron, packed_roll):
             roll_kwargs["packed_seq_params"] = packed_seq_params
         if loss_mask is None:
             loss_mask = torch.ones_like(labels)
+        targets = getattr(packed_seq_params, MTP_TARGETS_ATTRIBUTE, None)
+        if targets is not None and len(targets) != num_layers:
+            raise ValueError(f"packed_seq_params.{MTP_TARGETS_ATTRIBUTE} holds {len(targets)} depths of targets; the "
+                             f"model has {num_layers} MTP layers")
         # All depths' token counts (and the unrolled one) cross the CP group in one
         # all-reduce: one synchronisation of the ranks per forward, not one per depth.
-        depth_labels, depth_masks, counts = _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs)
+        if targets is None:
+            depth_labels, depth_masks, counts = _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers,
+                                                                  roll_kwargs)
+        else:
+            counts = [loss_mask.sum()] + [weights.sum().to(loss_mask.dtype) for _, _, weights in targets]
         original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
@@ -362,7 +387,12 @@ def _make_process_mtp_loss(megatron, packed_roll):
             if scale_logits is not None:
                 mtp_logits = scale_logits(mtp_logits)
             num_tokens = depth_num_tokens[depth].clamp(min=1)
-            mtp_loss = depth_masks[depth] * compute_language_model_loss(depth_labels[depth], mtp_logits)
+            if targets is None:
+                mtp_loss = depth_masks[depth] * compute_language_model_loss(depth_labels[depth], mtp_logits)
+            else:
+                rows, target_labels, weights = targets[depth]
+                mtp_loss = weights[None] * compute_language_model_loss(target_labels[None],
+                                                                       mtp_logits.index_select(0, rows))
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
             # 0.19 replaced this logger with one that also wants acceptance counts.
             if is_training and logs_to_tracker:

@@ -3,7 +3,7 @@
     engines = build_engines(model_dir, rank=rank, dtype="float32", rollout_tp=1, seed=0, mtp_rollout=True,
                             num_speculative_tokens="auto", max_speculative_tokens=3, temperature=1.0)
     k, checked = tune_draft_tokens(engines, model, tokenizer, examples, step, params, ...)   # auto only
-    samples, acceptance = generate(engines, model, tokenizer, examples, step, params)
+    samples, acceptance, probe = generate(engines, model, tokenizer, examples, step, params)
     push_weights(engines, engines.active(), model, step)      # after the optimizer step
 
 Every process holds one vLLM engine per drafting mode (`distributed_executor_backend=
@@ -40,6 +40,8 @@ import spec_config
 import weight_sync
 from tasks import SEED_STRIDE, prompt_token_ids, step_seed
 
+# The probe: a greedy continuation of a fixed prompt riding along in each step's rollout;
+# its log-prob changes when the weights do.
 PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
 # Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
@@ -239,7 +241,9 @@ def build_engines(model_dir, *, mtp_rollout, num_speculative_tokens, max_specula
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
     moe = "n_routed_experts" in _config(model_dir)
     for engine in engines.all():
-        engines.versions[id(engine)] = 0  # built from the model directory: the weights before step 1
+        # Built from the model directory: the weights before step 1, version 0 to vLLM too.
+        engines.versions[id(engine)] = 0
+        engine.update_weight_version("0")
         if moe:
             engines.recorders[id(engine)] = RoutingRecorder(engine)
     return engines
@@ -274,9 +278,12 @@ def completion_texts(llm, params, output):
     return texts
 
 
-def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
-    """All of the step's examples -> (samples, outputs): `params.n` completions per
-    example, in example order, on every rank; `outputs` are this engine's RequestOutputs.
+def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None, probe=False):
+    """All of the step's examples -> (samples, outputs, probe): `params.n` completions per
+    example, in example order, on every rank; `outputs` are this engine's RequestOutputs;
+    with `probe`, (text, summed log-prob) of PROBE_TOKENS greedy tokens after PROBE_PROMPT,
+    sampled in the same engine call (one request more in its batch, not a call of its
+    own), else None.
 
     A sample is {example, prompt_ids, response_ids, text, rollout_logprobs, truncated};
     `prompt_ids` are the ids vLLM reports it sampled from (the trainer trains on exactly
@@ -290,9 +297,19 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
     engine, engine_rank = rank // rollout_tp, rank % rollout_tp
     share = examples[engine::num_engines]
     prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
+    requests = [params] * len(prompts)
+    if probe:
+        from vllm import SamplingParams
+        prompts.append({"prompt_token_ids": prompt_token_ids(tokenizer, PROBE_PROMPT)})
+        requests.append(SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=0))
     if recorder is not None:
         recorder.clear()
-    outputs = llm.generate(prompts, params, use_tqdm=False) if share else []
+    outputs = llm.generate(prompts, requests, use_tqdm=False) if prompts else []
+    probed = None
+    if probe:
+        completion = outputs.pop().outputs[0]
+        probed = completion.text, sum(step[token].logprob for step, token in zip(completion.logprobs,
+                                                                                   completion.token_ids))
     mine = []
     for example, output in zip(share, outputs):
         texts = ([completion.text for completion in output.outputs] if params.detokenize
@@ -314,7 +331,7 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None):
     for index in range(len(examples)):
         engine, position = index % num_engines, index // num_engines
         ordered.extend(by_engine[engine][position * params.n:(position + 1) * params.n])
-    return ordered, outputs
+    return ordered, outputs, probed
 
 
 def seed_engine(seed, step, rank, rollout_tp, sampling_round=0):
@@ -369,7 +386,7 @@ def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, c
         push_weights(engines, engines.drafting, model, step - 1)
         spec_config.set_draft_tokens(engines.drafting, engines.deepest)
         num_engines = dist.get_world_size() // engines.rollout_tp
-        _, outputs = rollout(engines.drafting, tokenizer, examples[:draft_tuner.ACCEPTANCE_CHECK_PROMPTS * num_engines],
+        _, outputs, _ = rollout(engines.drafting, tokenizer, examples[:draft_tuner.ACCEPTANCE_CHECK_PROMPTS * num_engines],
                              check_params, engines.rollout_tp, rank)
         return all_engines_statistics(engines, engines.meter.read(outputs), rank)
 
@@ -381,17 +398,19 @@ def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, c
 
 
 def generate(engines, model, tokenizer, examples, step, params, seed, rank, sampling_round=0):
-    """The rollout phase: completions from the active engine (brought up to the weights
-    after step - 1), the draft acceptance of every engine's rollout (None without
-    drafting). While auto tries each k in turn, the first round's tokens/s goes to its
-    tuner; dynamic sampling's later rounds (`sampling_round` > 0) sample on their own seeds
-    and leave the tuner alone. On a GPU the caller then puts vLLM to sleep (Engines.sleep)."""
+    """The rollout phase: (completions from the active engine, brought up to the weights
+    after step - 1; the draft acceptance of every engine's rollout, None without drafting;
+    the first round's probe of those weights: {probe_text, probe_logprob, weight_version},
+    None in later rounds). While auto tries each k in turn, the first round's tokens/s
+    goes to its tuner; dynamic sampling's later rounds (`sampling_round` > 0) sample on
+    their own seeds and leave the tuner alone. On a GPU the caller then puts vLLM to sleep
+    (Engines.sleep)."""
     engine = engines.active()
     push_weights(engines, engine, model, step - 1)
     seed_engine(seed, step, rank, engines.rollout_tp, sampling_round)
     start = time.perf_counter()
-    samples, outputs = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank,
-                               recorder=engines.recorders.get(id(engine)))
+    samples, outputs, probed = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank,
+                                       recorder=engines.recorders.get(id(engine)), probe=not sampling_round)
     tokens_per_second = None
     if engines.tuner is not None and engines.tuner.exploring() and not sampling_round:
         # The slowest rank's seconds, so every rank records the same speed and chooses alike.
@@ -401,12 +420,7 @@ def generate(engines, model, tokenizer, examples, step, params, seed, rank, samp
     acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank) if engines.draft_tokens else None
     if engines.tuner is not None and not sampling_round:
         engines.tuner.after_rollout(engines.draft_tokens, tokens_per_second, acceptance)
-    return samples, acceptance
-
-
-def probe(llm):
-    """Greedy continuation of a fixed prompt and its summed log-prob: changes when the weights do."""
-    from vllm import SamplingParams
-    completion = llm.generate([PROBE_PROMPT], SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=0),
-                              use_tqdm=False)[0].outputs[0]
-    return completion.text, sum(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
+    probe = None
+    if probed is not None:
+        probe = {"probe_text": probed[0], "probe_logprob": probed[1], "weight_version": engine.get_weight_version()}
+    return samples, acceptance, probe

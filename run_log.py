@@ -101,7 +101,7 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
-def step_record(step, samples, rewards, train_metrics, draft_metrics, sync_result, eval_metrics, seconds):
+def step_record(step, samples, rewards, train_metrics, draft_metrics, eval_metrics, seconds):
     """One line of metrics.jsonl: every value of the step by name (eval_* on eval steps only).
     rewards: [N] fp32 tensor, one per sample; seconds: {phase: wall seconds}."""
     response_tokens = sum(len(s["response_ids"]) for s in samples)
@@ -112,7 +112,6 @@ def step_record(step, samples, rewards, train_metrics, draft_metrics, sync_resul
         "response_length": response_tokens / len(samples),
         **train_metrics,
         **draft_metrics,
-        **sync_result,
         **eval_metrics,
         **{f"{phase}_s": value for phase, value in seconds.items()},
         "rollout_tokens_per_s": response_tokens / seconds["rollout"],

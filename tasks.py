@@ -424,8 +424,10 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None):
             successors = digit_successors(tokenizer, count_step)
             return lambda sample: count_credits(sample["prompt_ids"][-1], sample["response_ids"], successors)
         if task == "repeat":
-            return lambda sample: token_credits(sample["response_ids"], tokenizer.encode(
-                sample["example"]["answer"], add_special_tokens=False))
+            # Each answer encoded once, not once per completion (the task has a few dozen).
+            answer_ids = functools.lru_cache(maxsize=None)(
+                lambda answer: tokenizer.encode(answer, add_special_tokens=False))
+            return lambda sample: token_credits(sample["response_ids"], answer_ids(sample["example"]["answer"]))
         return lambda sample: [exact_match_reward(sample["text"], sample["example"]["answer"])]
     reward_function = load_reward_function(reward_spec)
     return functools.partial(_user_credits, reward_function, reward_spec)

@@ -587,20 +587,46 @@ def test_forward_shared_prefix_lengths_follow_the_rule_by_hand():
     ids = torch.tensor([token for sequence in sequences for token in sequence])
     seqlens = torch.tensor([len(sequence) for sequence in sequences])
     mask = torch.tensor([0, 0, 0, 1, 1, 0] + [0, 0, 0, 1, 1, 1, 0] + [0, 0, 0, 1, 0], dtype=torch.float)
-    # Common prefix 4 tokens; no MTP: min(4 - 1, 3) = 3. One MTP layer: min(4 - 2, 3 - 1) = 2.
+    # Common prefix 4 tokens, shortest 5: min(4 - depth, 3, 5 - 1 - depth) = 3 without MTP
+    # and with one MTP layer (which reads token 3 + 1 = 4, common).
     assert forward.shared_prefix_lengths(ids, seqlens, mask, 3, mtp_depth=0).tolist() == [3]
-    assert forward.shared_prefix_lengths(ids, seqlens, mask, 3, mtp_depth=1).tolist() == [2]
+    assert forward.shared_prefix_lengths(ids, seqlens, mask, 3, mtp_depth=1).tolist() == [3]
+    # Two MTP layers read token 2 + 2 = 4 from position 2: two tokens stored once.
+    assert forward.shared_prefix_lengths(ids, seqlens, mask, 3, mtp_depth=2).tolist() == [2]
     # Without the third member the common prefix is 5 (both responses start with 9), but
     # the loss still starts at 3: the shared part stays out of the loss.
     assert forward.shared_prefix_lengths(ids[:13], seqlens[:2], mask[:13], 2, mtp_depth=0).tolist() == [3]
     # Groups of one: each sequence is its own prefix, up to its first loss.
-    assert forward.shared_prefix_lengths(ids, seqlens, mask, 1, mtp_depth=1).tolist() == [2, 2, 2]
-    # A loss at position 0 with an MTP layer: the pack's roll would carry it across a
-    # segment end, so the batch is not shared.
+    assert forward.shared_prefix_lengths(ids, seqlens, mask, 1, mtp_depth=1).tolist() == [3, 3, 3]
+    # A loss at position 0: nothing is shared.
     early = mask.clone()
     early[0] = 1.0
-    assert forward.shared_prefix_lengths(ids, seqlens, early, 3, mtp_depth=1) is None
-    assert forward.shared_prefix_lengths(ids, seqlens, early, 3, mtp_depth=0).tolist() == [0]
+    assert forward.shared_prefix_lengths(ids, seqlens, early, 3, mtp_depth=1).tolist() == [0]
+    # A member as long as the prompt: the MTP layer's next token must be stored (not a
+    # sequence's last), so min(4 - 1, 3, 4 - 1 - 1) = 2.
+    short = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 9])
+    assert forward.shared_prefix_lengths(short, torch.tensor([4, 5]), torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 0.0]), 2,
+                                         mtp_depth=1).tolist() == [2]
+
+
+def test_forward_mtp_targets_give_a_shared_slot_each_members_target_by_hand():
+    # A group of two, prompt [5 6 7], responses [1 3] and [2 4]; the loss predicts the
+    # response tokens (positions 2 and 3). One MTP layer: positions 0 and 1 stored once.
+    ids = torch.tensor([5, 6, 7, 1, 3, 5, 6, 7, 2, 4])
+    seqlens = torch.tensor([5, 5])
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 1, 0], dtype=torch.float)
+    shared = forward.shared_prefix_lengths(ids, seqlens, mask, 2, mtp_depth=1)
+    batch = cp_thd.pack_shared_prefix(ids, seqlens, group_size=2, shared_lengths=shared)
+    assert shared.tolist() == [2] and batch.input_ids.tolist() == [5, 6, 7, 1, 7, 2]
+    # Position 1's MTP output predicts token 3 (under the main mask at 2): slot 1 carries 1
+    # and 2; position 2's predicts token 4: each member's own slot. Position 3 has no token
+    # 5 to predict.
+    (rows, labels, weights), = forward.mtp_targets(batch.slot_of_token, ids, seqlens, mask, mtp_depth=1)
+    assert rows.tolist() == [1, 2, 1, 4] and labels.tolist() == [1, 3, 2, 4] and weights.tolist() == [1, 1, 1, 1]
+    # Two MTP layers: depth 2 predicts token 3 from position 0 (under the mask at 2) and
+    # token 4 from position 1 (the mask at 3), all from the shared slots.
+    _, (rows, labels, _) = forward.mtp_targets(batch.slot_of_token, ids, seqlens, mask, mtp_depth=2)
+    assert rows.tolist() == [0, 1, 0, 1] and labels.tolist() == [1, 3, 2, 4]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1118,6 +1144,18 @@ def test_draft_tuner_lets_the_measured_speeds_choose_by_hand():
     tuner.try_each()
     roll_out(tuner, [{0: 100}, {1: 102}] * 3)
     assert tuner.realized_speeds() == pytest.approx([1, 1.02, None, None]) and tuner.choose() == 0
+    # A k whose fastest try, 25% faster, would still lose is tried no more: k = 1 at 0.6x
+    # leaves after one round, k = 2 at 1.5x stays.
+    tuner = draft_tuner.DraftTuner(max_tokens=2)
+    tuner.observe(statistics([0.9, 0.8]))
+    tuner.try_each()
+    assert roll_out(tuner, [{0: 100, 1: 60, 2: 150}] * 7) == [0, 1, 2, 0, 2, 0, 2] and tuner.choose() == 2
+    # At high concurrency every drafting k runs at about half speed: one round ends the tries.
+    tuner = draft_tuner.DraftTuner(max_tokens=3)
+    tuner.observe(statistics([0.5, 0.3, 0.2]))
+    tuner.try_each()
+    assert roll_out(tuner, [{0: 100, 1: 50, 2: 55, 3: 60}] * 4) == [0, 1, 2, 3] and not tuner.exploring()
+    assert tuner.choose() == 0 and tuner.realized_speeds() == pytest.approx([1, 0.5, 0.55, 0.6])
     # Mid-try state survives a checkpoint: the restored tuner names the same next k.
     tuner = draft_tuner.DraftTuner(max_tokens=3)
     tuner.observe(statistics([1.0, 1.0, 1.0]))
@@ -2758,13 +2796,13 @@ def _shared_prefix_model(checkpoint):
 def _shared_prefix_layouts(checkpoint):
     """The grouped batch unshared, shared, and shared with each piece of the layout broken:
     RoPE by slot (megatron's own positions for one packed sequence), segments blind to
-    their prefix, and one token more stored once than `shared_prefix_lengths` allows."""
+    their prefix, one token more stored once than `shared_prefix_lengths` allows, and
+    megatron's rolled MTP labels instead of the explicit targets."""
     cpu_backend.init_distributed()
     model = _shared_prefix_model(checkpoint)
     results = {"unshared": _shared_prefix_forward_backward(model, None),
                "shared": _shared_prefix_forward_backward(model, SHARED_GROUP_SIZE)}
-    original_rope, original_pack, original_lengths = (forward._rope_at_positions, forward.pack_shared_prefix,
-                                                      forward.shared_prefix_lengths)
+    original_pack, original_lengths = forward.pack_shared_prefix, forward.shared_prefix_lengths
 
     def blind_pack(*args, **kwargs):
         batch = original_pack(*args, **kwargs)
@@ -2772,14 +2810,15 @@ def _shared_prefix_layouts(checkpoint):
         return batch
     breakages = {"rope by slot": ("_rope_at_positions", lambda model, positions: contextlib.nullcontext()),
                  "blind segments": ("pack_shared_prefix", blind_pack),
-                 "one more shared": ("shared_prefix_lengths", lambda *args: original_lengths(*args) + 1)}
+                 "one more shared": ("shared_prefix_lengths", lambda *args: original_lengths(*args) + 1),
+                 "rolled MTP labels": ("MTP_TARGETS_ATTRIBUTE", "_not_read_by_mtp_patch")}
     for name, (attribute, replacement) in breakages.items():
+        original = getattr(forward, attribute)
         setattr(forward, attribute, replacement)
         try:
             results[name] = _shared_prefix_forward_backward(model, SHARED_GROUP_SIZE)
         finally:
-            forward._rope_at_positions, forward.pack_shared_prefix = original_rope, original_pack
-            forward.shared_prefix_lengths = original_lengths
+            setattr(forward, attribute, original)
     problems = {}
     for attention, group_size in (("local", SHARED_GROUP_SIZE), ("thd", 5)):
         from megatron_model import build_gpt_model
@@ -2801,9 +2840,10 @@ def _largest_difference(reference, other):
 
 def _expected_shared_tokens(mtp_depth):
     """Tokens of `_grouped_batch` in the shared-prefix layout: per group its prompt less
-    mtp_depth + 1 tokens once, then each member's remaining tokens but the last."""
+    max(mtp_depth, 1) tokens once (its responses differ from the first token, the loss
+    starts at the last prompt token), then each member's remaining tokens but the last."""
     _, seqlens, _, _ = _grouped_batch()
-    shared = [prompt_length - mtp_depth - 1 for prompt_length in SHARED_PROMPT_LENGTHS]
+    shared = [prompt_length - max(mtp_depth, 1) for prompt_length in SHARED_PROMPT_LENGTHS]
     segments = [length - 1 - shared[index // SHARED_GROUP_SIZE] for index, length in enumerate(seqlens.tolist())]
     return sum(shared) + sum(segments)
 
@@ -2818,7 +2858,7 @@ def test_forward_shared_prefix_equals_the_unshared_layout_and_each_piece_matters
     assert shared["tokens"] == _expected_shared_tokens(mtp_depth=1) < 0.7 * unshared["tokens"]
     _assert_forward_equal(unshared, shared)
     assert unshared["grads"]["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
-    for name in ("rope by slot", "blind segments", "one more shared"):
+    for name in ("rope by slot", "blind segments", "one more shared", "rolled MTP labels"):
         assert _largest_difference(unshared, results[name]) > 1e-3, name
     assert "core attention ['DotProductAttention']" in problems["local"]
     assert "prefix_group_size=5 for 12 sequences" in problems["thd"]
@@ -3044,8 +3084,8 @@ def _moe_routing_replay(checkpoint):
     recorder = rollout.RoutingRecorder(engine)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     examples = [{"prompt": f"repeat:{pair}"} for pair in ("ab", "cd", "ea")]
-    samples, _ = rollout.rollout(engine, tokenizer, examples, rollout.sampling_params(4, 1.0, 12, True), 1, 0,
-                                 recorder=recorder)
+    samples, _, _ = rollout.rollout(engine, tokenizer, examples, rollout.sampling_params(4, 1.0, 12, True), 1, 0,
+                                    recorder=recorder)
     for sample in samples:
         sample["advantages"] = 0.0
     input_ids, seqlens, loss_mask, _, rollout_logprobs, _ = trainer.pack_micro_batch(samples, torch.device("cpu"))
@@ -3362,6 +3402,11 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
     assert result["packed"] == result["samples"]
     # rollout's own decoding gives vLLM's text, token for token.
     assert result["texts"][False] == result["texts"][True] and len(set(map(str, result["texts"][True]))) > 2
+    # The probe riding along in the rollout's engine call continues as it does alone (greedy:
+    # the same tokens; the log-prob within fp32 noise of another batch), and is not a sample.
+    (text, logprob), (alone_text, alone_logprob) = result["probed"], result["alone"]
+    print({"probe": (text, logprob), "alone": (alone_text, alone_logprob)})
+    assert text == alone_text and len(text) > 0 and abs(logprob - alone_logprob) < LOGPROB_TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------
@@ -3453,7 +3498,7 @@ def test_train_grpo_runs_syncs_evaluates_keeps_the_two_newest_saves_and_is_quiet
                     "logprob_mismatch_mean", "tokens_per_s"):
             assert math.isfinite(record[key]), (key, record)
         assert record["logprob_mismatch_max"] < TRAIN_MISMATCH_BOUND
-        assert record["weight_version"] == str(record["step"])
+        assert record["weight_version"] == str(record["step"] - 1)  # the probe rides in the step's rollout
         assert 0 <= record["acceptance_rate"] <= 1 and 0 <= record["reward_mean"] <= 1
     assert "eval_accuracy" in records[-1] and "eval_accuracy" not in records[0]
     # Every sync changes what vLLM generates: the greedy probe's log-prob moves each step.
@@ -3581,25 +3626,39 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
     # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
-    # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts, and step 7 drafts
-    # as the tries say (the faster by 3%, scaled by the acceptance since).
+    # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts (fewer only where
+    # k = 1's fastest try, 25% faster, would still lose: a burst of load on this machine),
+    # and the step after the tries drafts as they say (the faster by 3%, scaled by the
+    # acceptance since).
     model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
     records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "7", "--prompts-per-step", "4",
                         "--eval-every", "7", "--save-every", "6", "--max-speculative-tokens", "1")
     assert records[0]["check_acceptance_by_depth"][0] > 0.3
-    tries = records[:6]
-    assert [r["draft_tokens"] for r in tries] == [0, 1] * 3
-    assert [r["acceptance_rate"] is not None for r in tries] == [False, True] * 3
+    tried = []
+    for k in [0, 1] * draft_tuner.TRY_ROUNDS:
+        tried.append(k)
+        speed = records[len(tried) - 1]["realized_speedups"][1]
+        if speed is not None and not draft_tuner.DraftTuner(1).could_win(speed):
+            break
+    tries = records[:len(tried)]
+    print({"tried": tried, "speeds": [r["realized_speedups"] for r in tries]})
+    assert [r["draft_tokens"] for r in tries] == tried
+    assert [r["acceptance_rate"] is not None for r in tries] == [bool(k) for k in tried]
     assert tries[0]["realized_speedups"] == [1.0, None]
     assert all(r["realized_speedups"][0] == 1.0 and r["realized_speedups"][1] > 0 for r in tries[1:])
     drafting = tries[-1]["realized_speedups"][1]
-    then, now = 1 + tries[-3]["acceptance_by_depth"][0], 1 + tries[-1]["acceptance_by_depth"][0]
-    assert records[6]["draft_tokens"] == (1 if drafting >= 1.03 and drafting * now / then >= 1 else 0)
-    assert "realized_speedups" not in records[6]
-    tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000006", "rank0.pt"),
-                       weights_only=True)["draft_tuner"]
-    assert tuner["schedule"] == [] and [len(speeds) for speeds in tuner["realized"]] == [3, 3]
-    assert max(tuner["realized"][1]) / max(tuner["realized"][0]) == pytest.approx(drafting)
+    expected = 0
+    if drafting >= 1.03:  # then all six tries ran: the choice is scaled from the one before the last
+        then, now = 1 + tries[-3]["acceptance_by_depth"][0], 1 + tries[-1]["acceptance_by_depth"][0]
+        expected = int(drafting * now / then >= 1)
+    after = records[len(tried)]
+    assert after["draft_tokens"] == expected
+    assert "realized_speedups" not in after
+    if len(tried) == 6:
+        tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000006", "rank0.pt"),
+                           weights_only=True)["draft_tuner"]
+        assert tuner["schedule"] == [] and [len(speeds) for speeds in tuner["realized"]] == [3, 3]
+        assert max(tuner["realized"][1]) / max(tuner["realized"][0]) == pytest.approx(drafting)
 
 
 # One flag per kind of rejection, and what its message must say.
@@ -3660,8 +3719,9 @@ def _dynamic_sampling_run(monkeypatch, rounds_of_rewards, max_rounds):
     def fake_generate(engines, model, tokenizer, examples, step, params, seed, rank, sampling_round):
         calls.append((sampling_round, [e["prompt"] for e in examples]))
         rewards = rounds_of_rewards[sampling_round]
-        return [{"example": examples[i // 2], "reward": r, "response_ids": [5], "truncated": False}
-                for i, r in enumerate(rewards)], None
+        # The probe rides along in the first round only.
+        return ([{"example": examples[i // 2], "reward": r, "response_ids": [5], "truncated": False}
+                 for i, r in enumerate(rewards)], None, None if sampling_round else {"probe_logprob": -1.5})
     monkeypatch.setattr(rollout, "generate", fake_generate)
     examples, _ = tasks.split_examples(None, None, 0, "repeat")
     run = SimpleNamespace(settings=settings, examples=examples, engines=None, policy=SimpleNamespace(model=None),
@@ -3682,7 +3742,7 @@ def test_train_grpo_dynamic_sampling_keeps_informative_groups_in_draw_order(monk
     assert [s["reward"] for s in samples] == [1, 0, 0, 1, 1, 0]
     assert [s["example"]["prompt"] for s in samples[4:]] == [calls[1][1][1]] * 2
     assert rewards.tolist() == [1, 0, 0, 1, 1, 0]
-    assert metrics == {"sampling_rounds": 2, "informative_group_share": 3 / 6}
+    assert metrics == {"sampling_rounds": 2, "informative_group_share": 3 / 6, "probe_logprob": -1.5}
     # Kept groups carry advantages; a constant group would have none.
     assert all(s["advantages"].abs().sum() > 0 for s in samples)
 
@@ -3694,7 +3754,7 @@ def test_train_grpo_dynamic_sampling_fills_with_dropped_groups_after_the_last_ro
     # The one informative group first, then the dropped ones in the order drawn.
     assert [s["reward"] for s in samples] == [0, 1, 1, 1, 0, 0]
     assert [float(s["advantages"].abs().sum()) > 0 for s in samples] == [True, True, False, False, False, False]
-    assert metrics == {"sampling_rounds": 2, "informative_group_share": 1 / 6}
+    assert metrics == {"sampling_rounds": 2, "informative_group_share": 1 / 6, "probe_logprob": -1.5}
 
 
 def test_train_grpo_math_reward_recipe_runs_end_to_end(tmp_path, monkeypatch):
@@ -3983,7 +4043,12 @@ def _rollout_prompt_ids(checkpoint, data):
     llm = rollout.build_engine(checkpoint, rank=rank, dtype="float32", rollout_tp=1, seed=0, temperature=1.0,
                                max_model_len=settings.max_positions, draft_tokens=1)
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
-    samples, outputs = rollout.rollout(llm, tokenizer, examples, params, 1, rank)
+    samples, outputs, probed = rollout.rollout(llm, tokenizer, examples, params, 1, rank, probe=True)
+    # The probe alone, as its own engine call.
+    from vllm import SamplingParams
+    alone = llm.generate([{"prompt_token_ids": tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)}],
+                         SamplingParams(temperature=0.0, max_tokens=rollout.PROBE_TOKENS, logprobs=0),
+                         use_tqdm=False)[0].outputs[0]
     # the advantages pack_micro_batch lays out
     credit = tasks.credit_function(tokenizer)
     train_grpo.set_advantages(samples, train_grpo.credit_rows(samples, credit, settings), settings)
@@ -3998,7 +4063,8 @@ def _rollout_prompt_ids(checkpoint, data):
         texts[detokenize] = [(sample["response_ids"], sample["text"])
                              for sample in rollout.rollout(llm, tokenizer, examples, seeded, 1, rank)[0]]
     return {"samples": [sample["prompt_ids"] for sample in samples], "packed": packed,
-            "vllm": [list(output.prompt_token_ids) for output in outputs], "texts": texts}
+            "vllm": [list(output.prompt_token_ids) for output in outputs], "texts": texts, "probed": probed,
+            "alone": (alone.text, sum(step[token].logprob for step, token in zip(alone.logprobs, alone.token_ids)))}
 
 
 @pytest.fixture(scope="module")

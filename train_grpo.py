@@ -523,7 +523,8 @@ def load_inputs(run_settings):
 
 def sample_batch(run, step, examples_now, params):
     """The rollout phase: (samples with their advantages set, rewards [N] fp32, the first
-    rollout's draft acceptance, sampling metrics). One rollout of `examples_now`; with
+    rollout's draft acceptance, sampling metrics and the first rollout's probe of the
+    weights it sampled with: probe_text, probe_logprob, weight_version). One rollout of `examples_now`; with
     --dynamic-sampling the groups whose rewards are all equal are dropped and round r
     rolls out as many prompts again, drawn from (seed, step, r), until the batch holds as
     many informative groups as prompts, or --max-sampling-rounds rollouts ran (the dropped
@@ -533,10 +534,12 @@ def sample_batch(run, step, examples_now, params):
     for sampling_round in range(s.max_sampling_rounds):
         if sampling_round:
             examples_now = tasks.sample_prompts(run.examples, step, wanted, s.seed, sampling_round)
-        samples, round_acceptance = rollout.generate(run.engines, run.policy.model, run.tokenizer, examples_now, step,
-                                                     params, s.seed, run.rank, sampling_round)
+        samples, round_acceptance, round_probe = rollout.generate(run.engines, run.policy.model, run.tokenizer,
+                                                                  examples_now, step, params, s.seed, run.rank,
+                                                                  sampling_round)
         if not sampling_round:
-            acceptance = round_acceptance  # the drafting metrics are the step's first rollout's
+            # The drafting metrics and the probe are the step's first rollout's.
+            acceptance, probe = round_acceptance, round_probe
         rows = credit_rows(samples, run.credit, s)
         means = torch.tensor([sum(row) / len(row) for row in rows])
         informative = grpo_loss.informative_groups(means, s.group_size).tolist()
@@ -552,7 +555,7 @@ def sample_batch(run, step, examples_now, params):
     if torch.cuda.is_available():
         run.engines.sleep(level=sleep_level(s))
     metrics = {"sampling_rounds": sampling_round + 1,
-               "informative_group_share": informative_count / ((sampling_round + 1) * wanted)}
+               "informative_group_share": informative_count / ((sampling_round + 1) * wanted), **probe}
     if s.data:
         metrics["truncated_fraction"] = sum(sample["truncated"] for sample in samples) / len(samples)
     return samples, rewards, acceptance, metrics
@@ -575,13 +578,15 @@ def set_advantages(samples, rows, run):
     unequal lengths are zero-padded for the per-position group baseline; a sequence reward
     spreads over its tokens."""
     lengths = [len(row) for row in rows]
-    credits = torch.tensor([row + [0.0] * (max(lengths) - len(row)) for row in rows])          # [N, L]
+    width = max(lengths)
+    credits = torch.tensor([row + [0.0] * (width - len(row)) for row in rows])          # [N, L]
     advantages = grpo_loss.group_advantages(credits, run.group_size, run.advantage)
     for sample, advantage, length in zip(samples, advantages, lengths):
         sample["advantages"] = advantage[:length].expand(len(sample["response_ids"]))
         if run.overlong_filter:
             sample["in_loss"] = not sample["truncated"]
-    return torch.stack([row[:length].mean() for row, length in zip(credits, lengths)])
+    # The padding adds zeros: each row's sum is its credits'.
+    return credits.sum(dim=1) / torch.tensor(lengths, dtype=credits.dtype)
 
 
 def refusing(function, *args):
@@ -598,21 +603,17 @@ def refusing(function, *args):
 
 def sync_weights(engines, policy, step):
     """The sync phase: push every weight, MTP draft included, into the engine that rolled
-    out (woken on a GPU; the other catches up when it is next used), check its draft every
-    --check-draft-every steps, and probe it; returns {probe_text, probe_logprob,
-    weight_version}."""
+    out (woken on a GPU; the other catches up when it is next used) and check its draft
+    every --check-draft-every steps. The next rollout probes what it holds (sample_batch)."""
     checkpoint.fault_point("sync", step)
-    engine = engines.active()
-    rollout.push_weights(engines, engine, policy.model, step)
-    text, logprob = rollout.probe(engine)
-    return {"probe_text": text, "probe_logprob": logprob, "weight_version": engine.get_weight_version()}
+    rollout.push_weights(engines, engines.active(), policy.model, step)
 
 
 def evaluate(llm, held_out, tokenizer, credit, run, rank):
     """Greedy completions of the held-out examples, scored like training's:
     {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
     params = rollout.sampling_params(1, 0.0, run.max_new_tokens, ignore_eos=run.data is None)
-    samples, _ = rollout.rollout(llm, tokenizer, held_out, params, run.rollout_tp, rank)
+    samples, _, _ = rollout.rollout(llm, tokenizer, held_out, params, run.rollout_tp, rank)
     rewards = torch.tensor([sum(row) / len(row) for row in (refusing(credit, sample) for sample in samples)])
     return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
             "eval_response_length": sum(len(s["response_ids"]) for s in samples) / len(samples)}
@@ -813,7 +814,7 @@ def main(args):
             train_sums = trainer.train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], s)
         # Sync: the new weights, MTP draft included, into vLLM
         with timer("sync"):
-            sync_result = sync_weights(engines, policy, step)
+            sync_weights(engines, policy, step)
         # Evaluate: greedy on the held-out set, every --eval-every steps and after the last
         eval_metrics = {}
         if step % s.eval_every == 0 or step == s.steps:
@@ -821,8 +822,7 @@ def main(args):
                 eval_metrics = evaluate(engines.active(), held_out, tokenizer, run.credit, s, rank)
         # Log and checkpoint
         record = run_log.step_record(step, samples, rewards, trainer.reduce_metrics(train_sums, run.device),
-                                     draft_record(engines, acceptance, checked, tried), sync_result, eval_metrics,
-                                     timer.seconds)
+                                     draft_record(engines, acceptance, checked, tried), eval_metrics, timer.seconds)
         record.update(sampling)
         if rank == 0:
             records.append(record)
