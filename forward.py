@@ -302,7 +302,8 @@ def _rollout_routing(model, batch, routed_experts, replay):
     """Inside: the main model's routers replay `routed_experts` ([T_total, layers, k]) or
     record their own top-k; after: {"agreement": [T_local] per `ForwardOutput`} when
     recorded. Rows the rollout does not know (-1) and padding replay experts 0..k-1: their
-    outputs feed no loss."""
+    outputs feed no loss. Under sequence parallelism each TP rank routes its slice of the
+    pack (megatron scatters the sequence over the TP group); the agreement is gathered."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     result = {}
     routers = main_model_routers(model) if routed_experts is not None else []
@@ -312,6 +313,10 @@ def _rollout_routing(model, batch, routed_experts, replay):
     if routed_experts.shape[1] != len(routers):
         raise ValueError(f"routed_experts has {routed_experts.shape[1]} MoE layers; the model has {len(routers)}")
     local = batch.pack(routed_experts.long(), pad_value=-1)
+    sequence_parallel = model.config.sequence_parallel
+    if sequence_parallel:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        local = local.chunk(tp_group.size())[tp_group.rank()]
     known = (local >= 0).all(dim=-1)
     filled = torch.where(known[..., None], local, torch.arange(local.shape[-1], device=local.device))
     for layer, router in enumerate(routers):
@@ -325,8 +330,10 @@ def _rollout_routing(model, batch, routed_experts, replay):
         if not replay:
             own = torch.stack([router.router_replay.get_recorded_indices() for router in routers], dim=1)
             same = (own.sort(dim=-1).values == local.sort(dim=-1).values).all(dim=-1).all(dim=-1)
-            result["agreement"] = torch.where(known.all(dim=-1), same.float(), torch.full_like(same, -1.0,
-                                                                                                 dtype=torch.float))
+            agreement = torch.where(known.all(dim=-1), same.float(), torch.full_like(same, -1.0, dtype=torch.float))
+            if sequence_parallel:
+                agreement = tensor_parallel.gather_from_sequence_parallel_region(agreement)
+            result["agreement"] = agreement
     finally:
         for router in routers:
             router.router_replay.clear_router_replay_action()

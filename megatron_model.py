@@ -48,6 +48,8 @@ FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm")))
 # megatron-core's token dispatcher for MoE layers: all-gather needs only the collectives
 # gloo has (all-to-all it lacks), and at a few experts per rank it moves little more.
 MOE_TOKEN_DISPATCHER = "allgather"
+# MLA's down projections, whole on every tensor-parallel rank under sequence parallelism.
+MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
 
 
 def load_hf_config(model):
@@ -131,12 +133,22 @@ def _attention_fields(hf_config, family, tensor_parallel):
 
 
 def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parallel=1, expert_parallel=1,
-                       sequence_parallel=False, params_dtype=torch.float32, recompute=False,
+                       sequence_parallel=None, params_dtype=torch.float32, recompute=False,
                        mtp_loss_scaling_factor=DEFAULT_MTP_LOSS_SCALING_FACTOR, **overrides):
-    """megatron-core `TransformerConfig` (an `MLATransformerConfig` for DeepSeek) for a HF config dict."""
+    """megatron-core `TransformerConfig` (an `MLATransformerConfig` for DeepSeek) for a HF config dict.
+
+    sequence_parallel: None is on where megatron-core needs it, for MoE layers under tensor
+    parallelism (their token dispatcher splits the sequence over the TP ranks: without it
+    every rank routes every token and the experts' gradients come out TP-fold).
+    """
     family = model_family(hf_config)
     if expert_parallel > 1 and family == "mimo":
         raise ValueError(f"expert_parallel={expert_parallel}: the MiMo model has no experts; expected 1")
+    if sequence_parallel is None:
+        sequence_parallel = family != "mimo"
+    if family != "mimo" and tensor_parallel > 1 and not sequence_parallel:
+        raise ValueError(f"sequence_parallel=False at tensor_parallel={tensor_parallel}: {family}'s MoE layers "
+                         "train under tensor parallelism only with sequence parallelism; leave it None")
     fields = {
         "num_layers": hf_config["num_hidden_layers"],
         "hidden_size": hf_config["hidden_size"],
@@ -219,7 +231,74 @@ def layer_spec_for(attention, config=None):
         from cp_attention import ContextParallelTHDAttention
         for layer_spec in layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = ContextParallelTHDAttention
+        if config is not None and config.sequence_parallel:
+            _for_sequence_parallel(spec)
     return spec
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm in a megatron-core norm slot, under sequence parallelism too.
+
+    The local spec's torch-norm wrapper (megatron's choice without apex or Transformer
+    Engine) refuses sequence parallelism outright. Under it each tensor-parallel rank
+    normalises its own slice of the sequence, so the weight's gradient on a rank is a
+    partial sum: the weight is marked `sequence_parallel`, as Transformer Engine's norms
+    are, and `trainer.sum_tensor_parallel_partial_grads` (megatron-core's
+    `finalize_model_grads` likewise) sums it over the TP group. Input [..., hidden], any
+    float dtype; output the same shape and dtype.
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-5, **unused_norm_options):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"normalization={config.normalization!r}; SequenceParallelRMSNorm is RMSNorm")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+class ReplicatedLinear(torch.nn.Linear):
+    """A linear layer every tensor-parallel rank holds whole: MLA's q and kv down
+    projections under sequence parallelism (Transformer Engine's "duplicated" mode).
+
+    megatron-core's local spec builds them column-parallel and gathers their outputs; the
+    gather's backward keeps each rank's own columns, which drops the other ranks' share
+    of the gradient of the rotary key part that every head reads (9e-3 relative error at
+    TP 2). Whole, each rank projects its own slice of the sequence and MLA all-gathers the
+    rotary part with a backward that sums. The weight's gradient is then a partial sum:
+    marked `sequence_parallel` like the norms. forward(x [..., in]) -> (x @ W.T [..., out],
+    None), megatron's (output, bias) pair.
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method, bias=False, **unused_linear_options):
+        super().__init__(input_size, output_size, bias=bias, dtype=config.params_dtype)
+        with torch.no_grad():
+            init_method(self.weight)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states), None
+
+
+def _for_sequence_parallel(spec):
+    """Make a local (thd) spec runnable under sequence parallelism, in place: every torch
+    norm becomes `SequenceParallelRMSNorm`, every MLA down projection `ReplicatedLinear`.
+    Walks ModuleSpecs and their submodule dataclasses (block, layer, attention, MTP)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    if isinstance(spec, ModuleSpec):
+        _for_sequence_parallel(spec.submodules)
+    elif isinstance(spec, (list, tuple)):
+        for item in spec:
+            _for_sequence_parallel(item)
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            if value is WrappedTorchNorm:
+                setattr(spec, field.name, SequenceParallelRMSNorm)
+            elif field.name in MLA_DOWN_PROJECTIONS:
+                setattr(spec, field.name, ReplicatedLinear)
+            else:
+                _for_sequence_parallel(value)
 
 
 def _moe_and_mla_know_transformer_engine_is_absent():
@@ -235,6 +314,11 @@ def _moe_and_mla_know_transformer_engine_is_absent():
         return
     if hasattr(multi_latent_attention, "HAVE_TE"):
         multi_latent_attention.HAVE_TE = False
+    # MLA accepts a whole (non-parallel) down projection only as the `Linear` it imports
+    # beside TE's placeholders (modelopt's, which no norm or gradient rule knows):
+    # ReplicatedLinear is that layer here.
+    if hasattr(multi_latent_attention, "Linear"):
+        multi_latent_attention.Linear = ReplicatedLinear
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
@@ -257,6 +341,8 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
     if config.mtp_num_layers:
         mtp_block_spec = gpt_layer_specs.get_gpt_mtp_block_spec(config, layer_spec,
                                                                 use_transformer_engine=attention == "te")
+        if attention == "thd" and config.sequence_parallel:
+            _for_sequence_parallel(mtp_block_spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

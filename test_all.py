@@ -43,6 +43,7 @@ import cpu_backend
 import draft_tuner
 import forward
 import grpo_loss
+import megatron_model
 import mtp_matrix
 import mtp_patch
 import rollout
@@ -2897,11 +2898,12 @@ def _transformers_logprobs(checkpoint, input_ids, seqlens, temperature):
     return torch.cat(logprobs)
 
 
-def _moe_forward_backward(checkpoint, tp, cp, ep):
+def _moe_forward_backward(checkpoint, tp, cp, ep, sum_partial_grads=True):
     """Load the HF checkpoint at (tp, cp, ep), run forward + backward on `_forward_batch`;
     log-probs and entropy gathered, the MTP loss summed over CP, and every gradient in HF
-    layout: reduced as megatron's DDP reduces it, divided by the number of data-parallel
-    copies of the batch (every rank runs the same batch), gathered over TP and EP."""
+    layout: reduced as megatron's DDP reduces it (and, with `sum_partial_grads`, the
+    sequence-parallel partial sums over TP), divided by the number of data-parallel copies
+    of the batch (every rank runs the same batch), gathered over TP and EP."""
     from megatron.core import parallel_state
     from megatron_model import build_gpt_model
     mtp_patch.patch_megatron_mtp()
@@ -2913,21 +2915,15 @@ def _moe_forward_backward(checkpoint, tp, cp, ep):
     round_trip_exact = set(round_trip) == set(expected) and all(
         torch.equal(round_trip[name], tensor) for name, tensor in expected.items())
     input_ids, seqlens, loss_mask, weights = _forward_batch()
-    if tp > 1:
-        # megatron-core's MoE layers train under tensor parallelism only with sequence
-        # parallelism, which the local layer spec's norms refuse: forward only.
-        model.eval()
-        with torch.no_grad():
-            out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
-                                           temperature=0.7, gather=True)
-        return {"logprobs": out.logprobs, "entropy": out.entropy, "loss_mask": out.loss_mask,
-                "round_trip_exact": round_trip_exact}
     out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
                                    mtp_train=True, temperature=0.7)
     num_tokens = loss_mask.sum()
     loss = -(out.logprobs * out.batch.pack(weights)).sum() / num_tokens \
         - 0.01 * (out.entropy * out.loss_mask).sum() / num_tokens
     loss.backward()
+    if sum_partial_grads:
+        # Sequence parallel at TP 2: norms, routers and MLA's down projections hold partial sums.
+        trainer.sum_tensor_parallel_partial_grads(model)
     copies = parallel_state.get_data_parallel_world_size()
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -2951,6 +2947,15 @@ def _moe_layouts(checkpoint):
     results = {(1, 1, 1): _moe_forward_backward(checkpoint, 1, 1, 1)}
     for tp, cp, ep in MOE_LAYOUTS:
         results[tp, cp, ep] = _moe_forward_backward(checkpoint, tp, cp, ep)
+    # TP 2 with each piece of its sequence-parallel layout broken: the partial gradients
+    # not summed over TP, and megatron's column-parallel MLA down projections.
+    results["tp 2, partial sums left"] = _moe_forward_backward(checkpoint, 2, 1, 1, sum_partial_grads=False)
+    if "kv_lora_rank" in megatron_model.load_hf_config(checkpoint):
+        original, megatron_model.MLA_DOWN_PROJECTIONS = megatron_model.MLA_DOWN_PROJECTIONS, ()
+        try:
+            results["tp 2, column-parallel MLA"] = _moe_forward_backward(checkpoint, 2, 1, 1)
+        finally:
+            megatron_model.MLA_DOWN_PROJECTIONS = original
     # Every rank: rebuilding megatron's groups is collective.
     model = _shared_prefix_model(checkpoint)
     results["shared prefix"] = [_shared_prefix_forward_backward(model, group_size)
@@ -2983,16 +2988,15 @@ def test_megatron_model_moe_logprobs_match_transformers_and_every_layout_equals_
     for rank, results in enumerate(ranks):
         for layout in MOE_LAYOUTS:
             other = results[layout]
-            if "grads" not in other:  # TP 2: log-probs and entropy of a forward pass
-                torch.testing.assert_close(other["logprobs"][mask], reference["logprobs"][mask], rtol=0,
-                                           atol=FORWARD_TOLERANCE)
-                torch.testing.assert_close(other["entropy"][mask], reference["entropy"][mask], rtol=0,
-                                           atol=FORWARD_TOLERANCE)
-                continue
             worst = max((other["grads"][name] - grad).abs().max().item() for name, grad in reference["grads"].items())
             print(f"{family} rank {rank} (tp, cp, ep)={layout}: worst gradient difference {worst:.2e}")
             _assert_forward_equal(reference, other)
             assert set(other["grads"]) == set(reference["grads"])
+        for broken in ("tp 2, partial sums left", "tp 2, column-parallel MLA"):
+            if broken in results:
+                worst = _largest_difference(reference, results[broken])
+                print(f"{family} rank {rank} {broken}: {worst:.2e}")
+                assert worst > 1e-3, broken
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -3452,19 +3456,25 @@ def _train(out, *flags):
     return records, stdout
 
 
-@pytest.mark.parametrize("family,expert_parallel,replay", [("deepseek", 2, "--routing-replay"),
-                                                            ("glm", 1, "--no-routing-replay")])
-def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, expert_parallel, replay):
+@pytest.mark.parametrize("family,tensor_parallel,expert_parallel,replay", [
+    ("deepseek", 1, 2, "--routing-replay"), ("deepseek", 2, 1, "--routing-replay"),
+    ("glm", 2, 1, "--no-routing-replay")])
+def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_parallel, expert_parallel, replay):
     from transformers import AutoModelForCausalLM
     out = str(tmp_path / family)
-    records, stdout, _ = _torchrun(out, "--builtin-model", family, "--ep", str(expert_parallel), replay, "--steps",
-                                   "3", "--prompts-per-step", "4", "--eval-every", "3", "--num-speculative-tokens", "1")
+    records, stdout, _ = _torchrun(out, "--builtin-model", family, "--tp", str(tensor_parallel), "--ep",
+                                   str(expert_parallel), replay, "--steps", "3", "--prompts-per-step", "4",
+                                   "--eval-every", "3", "--num-speculative-tokens", "1")
     assert [record["step"] for record in records] == [1, 2, 3]
     assert all(math.isfinite(record["total_loss"]) and math.isfinite(record["mtp_loss"]) for record in records)
+    # Under TP 2 (sequence parallel) each rank routes, and replays, its slice of the pack:
+    # the wrong slice's experts would put this at 1e-2.
     assert max(record["logprob_mismatch_max"] for record in records) < TRAIN_MISMATCH_BOUND
     # Every rollout drafted with the MoE MTP layer, and its acceptance was measured.
     assert all(record["draft_tokens"] > 0 and record["acceptance_rate"] is not None for record in records)
-    assert f"ep {expert_parallel}" in stdout if expert_parallel > 1 else " ep " not in stdout.splitlines()[1]
+    layout = stdout.splitlines()[1]
+    assert f"tp {tensor_parallel} cp 1 dp {2 // tensor_parallel}" in layout
+    assert f"ep {expert_parallel}" in layout if expert_parallel > 1 else " ep " not in layout
     # Without replay the share of tokens Megatron routes as vLLM did; with replay it is vLLM's.
     assert all((record["routing_agreement"] is None) if replay == "--routing-replay" else
                record["routing_agreement"] > 0.95 for record in records)
@@ -3849,9 +3859,11 @@ def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
         "--tp 1 x --ep 4 = 4: expected a divisor of the world size 2"]
     assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--ep", "3"]), 3) == [
         f"--ep 3: expected a divisor of {glm}'s 8 routed experts"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--tp", "2"]), 2) == [
-        f"--tp 2: {glm} is an MoE model, and megatron-core trains MoE layers under tensor parallelism only with "
-        "sequence parallelism, which this project does not run; split the experts with --ep instead"]
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--tp", "2"]), 2) == []
+    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--tp", "2", "--shared-prefix"]), 2) == [
+        f"--shared-prefix: {glm} is an MoE model, which trains under --tp 2 with sequence parallelism, and the "
+        "layout has none; leave the flag out"]
+    assert not train_grpo.check_args(train_grpo.parse_args(["--model", glm, "--tp", "2"]), 2).shared_prefix
     assert train_grpo.flag_problems(train_grpo.parse_args(["--ep", "2"]), 2) == [
         "--ep 2: the built-in tiny model has no experts; expected --ep 1"]
     missing = str(tmp_path / "missing")

@@ -427,15 +427,12 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
-    if experts and args.tp > 1:
-        # megatron-core's MoE layers train under TP only with sequence parallelism (else
-        # every token is routed once per TP rank), which this project does not run.
-        problems.append(f"--tp {args.tp}: {where} is an MoE model, and megatron-core trains MoE layers under "
-                        "tensor parallelism only with sequence parallelism, which this project does not run; "
-                        "split the experts with --ep instead")
     if args.shared_prefix and args.cp > 1:
         problems.append(f"--shared-prefix: its layout is context parallel size 1 (this run has --cp {args.cp}); "
                         "leave the flag out")
+    elif args.shared_prefix and experts and args.tp > 1:
+        problems.append(f"--shared-prefix: {where} is an MoE model, which trains under --tp {args.tp} with sequence "
+                        "parallelism, and the layout has none; leave the flag out")
     elif args.shared_prefix and transformer_engine_usable():
         problems.append("--shared-prefix: Transformer Engine's attention, which this GPU runs, has no shared-prefix "
                         "mask; leave the flag out")
@@ -474,6 +471,7 @@ def resolve(args, hf_config):
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
         "shared_prefix": (args.cp == 1 and not transformer_engine_usable()
+                          and not ("n_routed_experts" in hf_config and args.tp > 1)
                           if args.shared_prefix is None else args.shared_prefix),
     }
     return argparse.Namespace(**{**vars(args), **derived})

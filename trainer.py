@@ -275,6 +275,7 @@ def train_step(policy, samples, settings):
         with contextlib.nullcontext() if last else policy.ddp_model.no_sync():
             loss.backward()
     policy.ddp_model.finish_grad_sync()
+    sum_tensor_parallel_partial_grads(policy.model, "main_grad")
     # DDP averages over data x context parallel ranks; the loss is normalised globally
     # (token_weights), so the gradient wanted is the sum.
     policy.ddp_model.scale_gradients(parallel_state.get_data_parallel_world_size(with_context_parallel=True))
@@ -286,6 +287,29 @@ def train_step(policy, samples, settings):
         raise FloatingPointError(f"non-finite gradient norm {grad_norm}; stopping with the last checkpoint in "
                                  "--out intact")
     return dict(sums, grad_norm=grad_norm)
+
+
+def sum_tensor_parallel_partial_grads(model, attribute="grad"):
+    """Sum over the tensor-parallel group the gradients (`param.<attribute>`: "grad", or
+    "main_grad" after megatron DDP's reduction) of the parameters every TP rank holds whole
+    but sees only part of the work of: under sequence parallelism those marked
+    `sequence_parallel` (norms, MoE routers, MLA's down projections: each rank its slice
+    of the sequence), and query/key norms (each rank its own heads). The rule of
+    megatron-core's `finalize_model_grads`, which megatron's training loop runs after DDP;
+    one all-reduce. A no-op at TP 1."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        return
+    config = model.config
+    grads = [getattr(param, attribute) for name, param in model.named_parameters()
+             if param.requires_grad and getattr(param, attribute, None) is not None
+             and ((config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                  or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))]
+    if grads:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
 
 
 def train(policy, samples, settings):
