@@ -41,7 +41,8 @@ import weight_sync
 from tasks import SEED_STRIDE, prompt_token_ids, step_seed
 
 # The probe: a greedy continuation of a fixed prompt riding along in each step's rollout;
-# its log-prob changes when the weights do.
+# its log-prob changes when the weights do. At most PROBE_TOKENS, and never more than the
+# rollout's: one token more would cost the engine a step of its own (9 of 95 ms on CPU).
 PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
 # Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
@@ -281,7 +282,7 @@ def completion_texts(llm, params, output):
 def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None, probe=False):
     """All of the step's examples -> (samples, outputs, probe): `params.n` completions per
     example, in example order, on every rank; `outputs` are this engine's RequestOutputs;
-    with `probe`, (text, summed log-prob) of PROBE_TOKENS greedy tokens after PROBE_PROMPT,
+    with `probe`, (text, summed log-prob) of greedy tokens after PROBE_PROMPT (`probe_params`),
     sampled in the same engine call (one request more in its batch, not a call of its
     own), else None.
 
@@ -299,9 +300,8 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None, p
     prompts = [{"prompt_token_ids": prompt_token_ids(tokenizer, e["prompt"])} for e in share]
     requests = [params] * len(prompts)
     if probe:
-        from vllm import SamplingParams
         prompts.append({"prompt_token_ids": prompt_token_ids(tokenizer, PROBE_PROMPT)})
-        requests.append(SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=0))
+        requests.append(probe_params(params))
     if recorder is not None:
         recorder.clear()
     outputs = llm.generate(prompts, requests, use_tqdm=False) if prompts else []
@@ -332,6 +332,13 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None, p
         engine, position = index % num_engines, index // num_engines
         ordered.extend(by_engine[engine][position * params.n:(position + 1) * params.n])
     return ordered, outputs, probed
+
+
+def probe_params(params):
+    """The probe's SamplingParams beside a rollout's `params`: greedy, with log-probs, at
+    most PROBE_TOKENS and at most the rollout's max_tokens."""
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=min(PROBE_TOKENS, params.max_tokens), logprobs=0)
 
 
 def seed_engine(seed, step, rank, rollout_tp, sampling_round=0):

@@ -3411,6 +3411,9 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
     (text, logprob), (alone_text, alone_logprob) = result["probed"], result["alone"]
     print({"probe": (text, logprob), "alone": (alone_text, alone_logprob)})
     assert text == alone_text and len(text) > 0 and abs(logprob - alone_logprob) < LOGPROB_TOLERANCE
+    # The probe never outlasts the rollout (a token more would cost the engine a step).
+    assert [rollout.probe_params(rollout.sampling_params(8, 1.0, tokens, True)).max_tokens
+            for tokens in (3, 64)] == [3, rollout.PROBE_TOKENS]
 
 
 # ---------------------------------------------------------------------------------------
@@ -4057,10 +4060,8 @@ def _rollout_prompt_ids(checkpoint, data):
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
     samples, outputs, probed = rollout.rollout(llm, tokenizer, examples, params, 1, rank, probe=True)
     # The probe alone, as its own engine call.
-    from vllm import SamplingParams
     alone = llm.generate([{"prompt_token_ids": tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)}],
-                         SamplingParams(temperature=0.0, max_tokens=rollout.PROBE_TOKENS, logprobs=0),
-                         use_tqdm=False)[0].outputs[0]
+                         rollout.probe_params(params), use_tqdm=False)[0].outputs[0]
     # the advantages pack_micro_batch lays out
     credit = tasks.credit_function(tokenizer)
     train_grpo.set_advantages(samples, train_grpo.credit_rows(samples, credit, settings), settings)
