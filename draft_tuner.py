@@ -48,10 +48,6 @@ def acceptance_by_depth(statistics):
 # tried.
 TRY_ROUNDS = 3
 MIN_DRAFT_COST = 0.05
-# A k leaves the tries once its fastest try, this much faster, would still not beat no
-# drafting's fastest by the margin: more tries of it could not change the choice. Well
-# above a rollout's 5% noise, as a burst of load slows one try by more.
-TRY_NOISE = 0.25
 # The acceptance check (while no rollout drafts): its new tokens (a few verify steps at the
 # deepest k) and prompts per engine (each with the rollout's completions per prompt).
 ACCEPTANCE_CHECK_TOKENS = 12
@@ -69,13 +65,10 @@ class DraftTuner:
     in turn (0, 1, 2, 3, 0, 1, 2, 3, ...); `choose` names the k of each, `record` takes its
     tokens/s. Each k counts its fastest try (a burst of load slows one rollout, not the
     choice), and the fastest k stays; drafting must beat no drafting by `margin` (a
-    fraction), so noise does not buy a slower rollout. A k whose fastest try, TRY_NOISE
-    faster, would still lose is tried no more, and the tries end when no drafting k is
-    left: at high concurrency, where drafting runs at half speed, one round decides. When
-    the tries start depends on the acceptance alone, and which k they keep trying on speeds
-    far from the TRY_NOISE line: where one k wins clearly, a run is as reproducible as with
-    a fixed k. A k could pay only where a verify step's tokens (1 + A_1 + ... + A_k, A_i
-    the acceptance at depth i) are at least 1 + margin times its cost with each draft at
+    fraction), so noise does not buy a slower rollout. Which rollouts are tries depends on
+    the acceptance alone: where one k wins clearly, a run is as reproducible as with a
+    fixed k. A k could pay only where a verify step's tokens (1 + A_1 + ... + A_k, A_i the
+    acceptance at depth i) are at least 1 + margin times its cost with each draft at
     MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST): a random draft is not tried. Between
     tries a rollout's speed at k follows the tokens its steps emit, so the chosen k's tried
     speed is scaled by 1 + A_1 + ... + A_k now over then: where that falls below no
@@ -111,11 +104,6 @@ class DraftTuner:
         for depth in range(len(measured), self.max_tokens):
             self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
 
-    def could_win(self, relative_speed):
-        """Whether a k at `relative_speed` (its speed over no drafting's), TRY_NOISE faster,
-        beats no drafting by the margin."""
-        return relative_speed * (1 + TRY_NOISE) >= 1 + self.margin
-
     def try_each(self):
         """Line up the tries of k = 0 and every k that could pay at the current acceptance
         (none where no drafting k could: then k = 0)."""
@@ -149,11 +137,8 @@ class DraftTuner:
                 and math.isfinite(tokens_per_second)):
             raise ValueError(f"tokens_per_second={tokens_per_second!r}: expected a positive finite speed")
         self.realized[self.schedule.pop(0)].append(tokens_per_second)
-        # k = 0 is tried first: every speed is relative to its.
-        speeds = self.realized_speeds()
-        self.schedule = [k for k in self.schedule if not k or speeds[k] is None or self.could_win(speeds[k])]
-        if not any(self.schedule):
-            self.schedule = []
+        if not self.schedule:  # k = 0 was tried first: every speed is relative to its
+            speeds = self.realized_speeds()
             best = max(range(len(speeds)), key=lambda k: speeds[k] or 0.0)
             self.chosen = best if speeds[best] >= 1 + self.margin else 0
             self.chosen_tokens_per_step = self.tokens_per_step(self.chosen)

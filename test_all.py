@@ -1145,18 +1145,6 @@ def test_draft_tuner_lets_the_measured_speeds_choose_by_hand():
     tuner.try_each()
     roll_out(tuner, [{0: 100}, {1: 102}] * 3)
     assert tuner.realized_speeds() == pytest.approx([1, 1.02, None, None]) and tuner.choose() == 0
-    # A k whose fastest try, 25% faster, would still lose is tried no more: k = 1 at 0.6x
-    # leaves after one round, k = 2 at 1.5x stays.
-    tuner = draft_tuner.DraftTuner(max_tokens=2)
-    tuner.observe(statistics([0.9, 0.8]))
-    tuner.try_each()
-    assert roll_out(tuner, [{0: 100, 1: 60, 2: 150}] * 7) == [0, 1, 2, 0, 2, 0, 2] and tuner.choose() == 2
-    # At high concurrency every drafting k runs at about half speed: one round ends the tries.
-    tuner = draft_tuner.DraftTuner(max_tokens=3)
-    tuner.observe(statistics([0.5, 0.3, 0.2]))
-    tuner.try_each()
-    assert roll_out(tuner, [{0: 100, 1: 50, 2: 55, 3: 60}] * 4) == [0, 1, 2, 3] and not tuner.exploring()
-    assert tuner.choose() == 0 and tuner.realized_speeds() == pytest.approx([1, 0.5, 0.55, 0.6])
     # Mid-try state survives a checkpoint: the restored tuner names the same next k.
     tuner = draft_tuner.DraftTuner(max_tokens=3)
     tuner.observe(statistics([1.0, 1.0, 1.0]))
@@ -3639,39 +3627,25 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
     # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
-    # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts (fewer only where
-    # k = 1's fastest try, 25% faster, would still lose: a burst of load on this machine),
-    # and the step after the tries drafts as they say (the faster by 3%, scaled by the
-    # acceptance since).
+    # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts, and step 7 drafts
+    # as the tries say (the faster by 3%, scaled by the acceptance since).
     model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
     records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "7", "--prompts-per-step", "4",
                         "--eval-every", "7", "--save-every", "6", "--max-speculative-tokens", "1")
     assert records[0]["check_acceptance_by_depth"][0] > 0.3
-    tried = []
-    for k in [0, 1] * draft_tuner.TRY_ROUNDS:
-        tried.append(k)
-        speed = records[len(tried) - 1]["realized_speedups"][1]
-        if speed is not None and not draft_tuner.DraftTuner(1).could_win(speed):
-            break
-    tries = records[:len(tried)]
-    print({"tried": tried, "speeds": [r["realized_speedups"] for r in tries]})
-    assert [r["draft_tokens"] for r in tries] == tried
-    assert [r["acceptance_rate"] is not None for r in tries] == [bool(k) for k in tried]
+    tries = records[:6]
+    assert [r["draft_tokens"] for r in tries] == [0, 1] * 3
+    assert [r["acceptance_rate"] is not None for r in tries] == [False, True] * 3
     assert tries[0]["realized_speedups"] == [1.0, None]
     assert all(r["realized_speedups"][0] == 1.0 and r["realized_speedups"][1] > 0 for r in tries[1:])
     drafting = tries[-1]["realized_speedups"][1]
-    expected = 0
-    if drafting >= 1.03:  # then all six tries ran: the choice is scaled from the one before the last
-        then, now = 1 + tries[-3]["acceptance_by_depth"][0], 1 + tries[-1]["acceptance_by_depth"][0]
-        expected = int(drafting * now / then >= 1)
-    after = records[len(tried)]
-    assert after["draft_tokens"] == expected
-    assert "realized_speedups" not in after
-    if len(tried) == 6:
-        tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000006", "rank0.pt"),
-                           weights_only=True)["draft_tuner"]
-        assert tuner["schedule"] == [] and [len(speeds) for speeds in tuner["realized"]] == [3, 3]
-        assert max(tuner["realized"][1]) / max(tuner["realized"][0]) == pytest.approx(drafting)
+    then, now = 1 + tries[-3]["acceptance_by_depth"][0], 1 + tries[-1]["acceptance_by_depth"][0]
+    assert records[6]["draft_tokens"] == (1 if drafting >= 1.03 and drafting * now / then >= 1 else 0)
+    assert "realized_speedups" not in records[6]
+    tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000006", "rank0.pt"),
+                       weights_only=True)["draft_tuner"]
+    assert tuner["schedule"] == [] and [len(speeds) for speeds in tuner["realized"]] == [3, 3]
+    assert max(tuner["realized"][1]) / max(tuner["realized"][0]) == pytest.approx(drafting)
 
 
 # One flag per kind of rejection, and what its message must say.
