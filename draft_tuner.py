@@ -73,9 +73,9 @@ class DraftTuner:
     tries a rollout's speed at k follows the tokens its steps emit, so the chosen k's tried
     speed is scaled by 1 + A_1 + ... + A_k now over then: where that falls below no
     drafting's (a draft the policy left behind) the next rollout does not draft. `retry` (a
-    fraction): the tries are stale once the tokens a deepest-k step emits moved this much
-    since they began. Its state is plain data (`state_dict`, `load_state_dict`) for
-    checkpoints.
+    fraction): the tries are stale once the tokens a deepest-k step emits rose this much
+    since they ended (or fell this much while drafting). Its state is plain data
+    (`state_dict`, `load_state_dict`) for checkpoints.
     """
 
     def __init__(self, max_tokens, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
@@ -84,7 +84,7 @@ class DraftTuner:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
         self.max_tokens, self.margin, self.retry, self.rounds = max_tokens, margin, retry, rounds
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
-        self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries began
+        self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries ended (began, while they run)
         self.schedule = []  # the k of the rollouts still to try, in order
         self.realized = [[] for _ in range(max_tokens + 1)]  # tokens/s of the tries at each k
         # The k the tries chose, and 1 + A_1 + ... + A_k when they ended.
@@ -119,10 +119,14 @@ class DraftTuner:
         return bool(self.schedule)
 
     def is_stale(self):
-        """Whether the acceptance moved so far since the tries began that their speeds no longer hold."""
-        return (self.tried_tokens_per_step is not None
-                and abs(self.tokens_per_step(self.max_tokens) - self.tried_tokens_per_step)
-                > self.retry * self.tried_tokens_per_step)
+        """Whether the acceptance moved so far since the tries began that their choice may
+        no longer hold: up by more than `retry` (a k that lost may win now), or down by more
+        while a drafting k was chosen (fewer drafts may be best now). Down while nothing
+        drafts is not: a k that lost at the tries' acceptance loses at a lower one."""
+        if self.tried_tokens_per_step is None:
+            return False
+        moved = self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1
+        return moved > self.retry or (self.chosen > 0 and -moved > self.retry)
 
     def record(self, draft_tokens, tokens_per_second):
         """The tokens/s of a rollout at `draft_tokens`, the k `choose` named. Outside the tries
@@ -142,6 +146,9 @@ class DraftTuner:
             best = max(range(len(speeds)), key=lambda k: speeds[k] or 0.0)
             self.chosen = best if speeds[best] >= 1 + self.margin else 0
             self.chosen_tokens_per_step = self.tokens_per_step(self.chosen)
+            # The tries' drafting rollouts measured the acceptance as they went: staleness
+            # counts from where they left it.
+            self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
 
     def realized_speeds(self):
         """[each k's fastest try relative to k = 0's, None where not tried], None before k = 0's."""

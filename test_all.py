@@ -1128,8 +1128,10 @@ def test_draft_tuner_lets_the_measured_speeds_choose_by_hand():
     # tried 1.82x scaled by 1.3 / 3.4 tokens per step is below no drafting: drafting stops.
     tuner.observe(statistics([0.1]))
     assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0 and tuner.is_stale()
-    # A weak draft: 1.1 tokens per step at k = 1 could pay for one draft at 5% of a step,
-    # 1.11 at k = 2 and 3 not for two or three; k = 0 and 1 take turns, k = 1 measures 1.06x.
+    # A weak draft, on a tuner that measured no costs yet: 1.1 tokens per step at k = 1
+    # could pay for one draft at 5% of a step, 1.11 at k = 2 and 3 not for two or three;
+    # k = 0 and 1 take turns, k = 1 measures 1.06x.
+    tuner = draft_tuner.DraftTuner(max_tokens=3)
     tuner.observe(statistics([0.1, 0.01, 0.0]))
     tuner.try_each()
     assert roll_out(tuner, [{0: 100}, {1: 106}, {0: 98}, {1: 104}, {0: 99}, {1: 105}]) == [0, 1] * 3
@@ -1145,6 +1147,17 @@ def test_draft_tuner_lets_the_measured_speeds_choose_by_hand():
     tuner.try_each()
     roll_out(tuner, [{0: 100}, {1: 102}] * 3)
     assert tuner.realized_speeds() == pytest.approx([1, 1.02, None, None]) and tuner.choose() == 0
+    # Verifying drafts in a large batch: every k runs at 0.5-0.6x, no drafting stays. The
+    # acceptance halving (2.2 -> 1.1 tokens per step at k = 3) cannot make a k win: not
+    # stale. Rising by over a quarter since the tries began may: stale.
+    tuner = draft_tuner.DraftTuner(max_tokens=3)
+    tuner.observe(statistics([0.6, 0.4, 0.2]))
+    tuner.try_each()
+    assert roll_out(tuner, [{0: 100, 1: 60, 2: 55, 3: 50}] * 12) == [0, 1, 2, 3] * 3 and tuner.choose() == 0
+    tuner.observe(statistics([0.1, 0.0, 0.0]))
+    assert tuner.tokens_per_step(3) == pytest.approx(1.1) and not tuner.is_stale()
+    tuner.observe(statistics([0.8, 0.6, 0.4]))
+    assert tuner.tokens_per_step(3) == pytest.approx(2.8) and tuner.is_stale()
     # Mid-try state survives a checkpoint: the restored tuner names the same next k.
     tuner = draft_tuner.DraftTuner(max_tokens=3)
     tuner.observe(statistics([1.0, 1.0, 1.0]))

@@ -281,8 +281,8 @@ def add_mtp_flags(p):
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
                    help="MTP draft tokens per verify step, or auto: the k in 0..--max-speculative-tokens (0: no "
                         "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "
-                        "moved far, the next rollouts try in turn k = 0 and every k that could pay, and the fastest "
-                        "stays")
+                        "rose far (or fell far while drafting), the next rollouts try in turn k = 0 and every k that "
+                        "could pay, and the fastest stays")
     p.add_argument("--max-speculative-tokens", type=POSITIVE_INT, default=3, help="the deepest k auto considers")
     p.add_argument("--tune-every", type=POSITIVE_INT, default=50,
                    help="auto: every N steps (and at the first) the rollouts try each k that could pay again, in "
