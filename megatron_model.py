@@ -326,7 +326,8 @@ def _moe_and_mla_know_transformer_engine_is_absent():
 def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
     """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3 or GLM-4.5.
 
-    Weights are megatron's random init; load real ones with weight_sync.py. `attention`:
+    Weights are megatron's random init, on the current GPU when there is one; load real ones
+    with weight_sync.py. `attention`:
     "auto" is Transformer Engine where usable, else "thd" (see `layer_spec_for`); `config_options` go to
     `transformer_config` (tensor_parallel, context_parallel, expert_parallel, params_dtype, recompute, ...).
     """
@@ -343,7 +344,7 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
                                                                 use_transformer_engine=attention == "te")
         if attention == "thd" and config.sequence_parallel:
             _for_sequence_parallel(mtp_block_spec)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=hf_config["vocab_size"],
@@ -354,3 +355,8 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
         share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False),
         mtp_block_spec=mtp_block_spec,
     )
+    if torch.cuda.is_available():
+        # megatron puts its own layers' weights on the current GPU; torch's norms (the local
+        # spec without apex) and ReplicatedLinear start on the host. All of it on the GPU.
+        model.cuda(torch.cuda.current_device())
+    return model
