@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU path in one script, for a lent CUDA machine that has torch but no megatron-core,
 # vLLM or Transformer Engine: installs the carried megatron-core wheel, runs the CUDA tests
-# (fp32 and bf16 forward and backward against the CPU path; a bf16 training step over a
-# one-rank NCCL group with megatron-core DDP and its optimizer) and prints one table.
+# (fp32 and bf16 forward and backward against the CPU path, MiMo and the MoE families; a
+# bf16 training step over a one-rank NCCL group with megatron-core DDP and its optimizer)
+# and prints one table.
 # Where no GPU answers it says so and exits 0 having run nothing.
 #
 #   bash gpu_check.sh --fetch   # here, with PyPI: the Python 3.12 wheel into .whl/ (git-ignored)
-#   bash gpu_check.sh           # there, with .whl carried: about 2 minutes on an H200
+#   bash gpu_check.sh           # there, with .whl carried: about 2 minutes on an H200, up to 6 more
+#                               # while GLM-4.5's MoE test times out (docs/GPU.md)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
