@@ -4272,13 +4272,19 @@ def _cpu_forward_reference(checkpoint):
     return full_state, _run_forward(checkpoint, full_state)
 
 
-def _cuda_forward(checkpoint, full_state, dtype_name):
+def _on_this_device(compute):
+    """compute() in this process (TF32 off on CUDA): its result on the host, with the
+    device's name under "device"."""
     cpu_backend.init_distributed()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    result = to_host(_run_forward(checkpoint, full_state, dtype=getattr(torch, dtype_name)))
+    result = to_host(compute())
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return result
+
+
+def _cuda_forward(checkpoint, full_state, dtype_name):
+    return _on_this_device(lambda: _run_forward(checkpoint, full_state, dtype=getattr(torch, dtype_name)))
 
 
 def _cosine(a, b):
@@ -4307,13 +4313,8 @@ def test_forward_cuda_fp32_and_bf16_match_the_cpu_path(tiny_checkpoint):
 
 
 def _moe_one_rank(checkpoint):
-    """`_moe_forward_backward` at 1 rank on this process's device (TF32 off on CUDA), on the host."""
-    cpu_backend.init_distributed()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    result = to_host(_moe_forward_backward(checkpoint, 1, 1, 1))
-    result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return result
+    """`_moe_forward_backward` at 1 rank on this process's device."""
+    return _on_this_device(lambda: _moe_forward_backward(checkpoint, 1, 1, 1))
 
 
 @requires_cuda

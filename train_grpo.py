@@ -412,9 +412,14 @@ def sampling_problems(args):
     return problems
 
 
+def model_description(args):
+    """The model as messages name it: --model's path, or the built-in model's name."""
+    return args.model or f"the built-in {builtin_model(args)[0]} model"
+
+
 def model_problems(args, hf_config):
     """Flags that must fit the model's config.json."""
-    where = args.model or f"the built-in {builtin_model(args)[0]} model"
+    where = model_description(args)
     architectures = hf_config.get("architectures") or []
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         return [f"--model {args.model!r}: architecture {', '.join(architectures) or '(none in config.json)'} is not "
@@ -427,15 +432,9 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
-    if args.shared_prefix and args.cp > 1:
-        problems.append(f"--shared-prefix: its layout is context parallel size 1 (this run has --cp {args.cp}); "
-                        "leave the flag out")
-    elif args.shared_prefix and experts and args.tp > 1:
-        problems.append(f"--shared-prefix: {where} is an MoE model, which trains under --tp {args.tp} with sequence "
-                        "parallelism, and the layout has none; leave the flag out")
-    elif args.shared_prefix and transformer_engine_usable():
-        problems.append("--shared-prefix: Transformer Engine's attention, which this GPU runs, has no shared-prefix "
-                        "mask; leave the flag out")
+    obstacle = shared_prefix_obstacle(args, hf_config)
+    if args.shared_prefix and obstacle:
+        problems.append(f"--shared-prefix: {obstacle}; leave the flag out")
     if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")
@@ -444,6 +443,19 @@ def model_problems(args, hf_config):
         if kv_heads % size:
             problems.append(f"{flag} {size}: expected a divisor of {where}'s {kv_heads} key/value heads")
     return problems
+
+
+def shared_prefix_obstacle(args, hf_config):
+    """Why the shared-prefix layout cannot run with these flags and this model, or None:
+    --shared-prefix is refused with it, and its default is on without."""
+    if args.cp > 1:
+        return f"its layout is context parallel size 1 (this run has --cp {args.cp})"
+    if hf_config.get("n_routed_experts") and args.tp > 1:
+        return (f"{model_description(args)} is an MoE model, which trains under --tp {args.tp} with sequence "
+                "parallelism, and the layout has none")
+    if transformer_engine_usable():
+        return "Transformer Engine's attention, which this GPU runs, has no shared-prefix mask"
+    return None
 
 
 def flag_problems(args, world_size):
@@ -470,9 +482,8 @@ def resolve(args, hf_config):
         "builtin_model": None if args.model else builtin_model(args)[0],
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
-        "shared_prefix": (args.cp == 1 and not transformer_engine_usable()
-                          and not ("n_routed_experts" in hf_config and args.tp > 1)
-                          if args.shared_prefix is None else args.shared_prefix),
+        "shared_prefix": (shared_prefix_obstacle(args, hf_config) is None if args.shared_prefix is None
+                          else args.shared_prefix),
     }
     return argparse.Namespace(**{**vars(args), **derived})
 
@@ -694,7 +705,7 @@ def start(run_settings, resume_dir, examples, held_out):
     credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward)
     init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed)
     mtp_patch.patch_megatron_mtp()
-    policy = trainer.build_policy(model_dir, s, device)
+    policy = trainer.build_policy(model_dir, s)
     engines = rollout.build_engines(
         model_dir, mtp_rollout=s.mtp_rollout, num_speculative_tokens=s.num_speculative_tokens,
         max_speculative_tokens=s.max_speculative_tokens, check_draft_every=s.check_draft_every, rank=rank,

@@ -1,6 +1,6 @@
 """The train phase of GRPO on Megatron-Core: one rollout batch -> optimizer steps.
 
-    policy = build_policy(model_dir, settings, device)     # GPTModel shard + DDP + Adam
+    policy = build_policy(model_dir, settings)             # GPTModel shard + DDP + Adam
     sums = train(policy, samples, settings)                # --ppo-epochs x --mini-batches steps
     metrics = reduce_metrics(sums, device)                 # the step's values, same on every rank
 
@@ -92,12 +92,13 @@ def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True):
     return ddp_model, optimizer
 
 
-def build_policy(model_dir, settings, device):
-    """The policy from `model_dir`'s weights (and the reference model when --kl-coef > 0)."""
+def build_policy(model_dir, settings):
+    """The policy from `model_dir`'s weights (and the reference model when --kl-coef > 0),
+    on this process's device (build_gpt_model's)."""
     def load(mtp):
         model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=settings.tp, context_parallel=settings.cp,
                                 expert_parallel=settings.ep,
-                                params_dtype=torch.bfloat16 if settings.bf16 else torch.float32).to(device)
+                                params_dtype=torch.bfloat16 if settings.bf16 else torch.float32)
         weight_sync.load_hf_into_megatron(model, model_dir)
         return model
 
