@@ -23,8 +23,11 @@ every per-token tensor is [T] fp32 and sits at the position that predicts its to
 (in `loss_mask`) at prompts and padding. `sequence_index` [T] int64 says which packed
 sequence each token belongs to; with context parallelism a rank holds only part of each
 sequence, and `sum_over_ranks` (the caller's all-reduce over the context-parallel group,
-None when a rank holds whole sequences) completes every per-sequence sum. Imports torch only.
+None when a rank holds whole sequences) completes every per-sequence sum. `LossConfig`
+holds the loss's settings for a trainer that keeps them in one place. Imports torch only.
 """
+
+import dataclasses
 
 import torch
 
@@ -41,6 +44,23 @@ ADVANTAGE_MODES = ("grpo", "mean-only", "leave-one-out")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 ROLLOUT_MASK_LEVELS = ("off", "token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The policy loss's settings, as a trainer passes them to `policy_loss`, `rollout_mask`
+    and its own entropy and KL terms."""
+    loss: str = "ppo"                 # POLICY_LOSSES; PPO's token ratio is the common baseline
+    loss_agg: str = "token-mean"      # LOSS_AGGREGATIONS; DAPO's: long answers are not down-weighted
+    clip_low: float = 0.2             # PPO's usual clip below 1
+    clip_high: float = 0.28           # DAPO's clip-higher: room for rare tokens to gain probability
+    dual_clip: float = 3.0            # bounds the loss of a negative advantage whose ratio ran away
+    tis_cap: float = 2.0              # truncated IS against the rollout engine's log-probs (0: off)
+    rollout_mask: str = "off"         # ROLLOUT_MASK_LEVELS; TIS already corrects the mismatch
+    rollout_mask_low: float = 0.5     # the ratio band a masked token or sequence must stay in
+    rollout_mask_high: float = 2.0
+    entropy_coef: float = 0.02        # keeps a random-init policy from collapsing onto one answer
+    kl_coef: float = 0.0              # k3 KL to the initial policy; 0 needs no reference model
 
 
 def group_advantages(rewards, group_size, mode):

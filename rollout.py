@@ -1,7 +1,6 @@
 """The rollout side of one device: vLLM engines colocated with the trainer, MTP drafting.
 
-    engines = build_engines(model_dir, rank=rank, dtype="float32", rollout_tp=1, seed=0, mtp_rollout=True,
-                            num_speculative_tokens="auto", max_speculative_tokens=3, temperature=1.0)
+    engines = build_engines(model_dir, RolloutConfig(auto_draft=True, draft_tokens=3), rank)
     k, checked = tune_draft_tokens(engines, model, tokenizer, examples, step, params, ...)   # auto only
     samples, acceptance, probe = generate(engines, model, tokenizer, examples, step, params)
     push_weights(engines, engines.active(), model, step)      # after the optimizer step
@@ -22,8 +21,9 @@ Sampling is seeded from (seed, step, engine) before each rollout, so step s samp
 what it would have sampled in an uninterrupted run. Prompts reach vLLM as token ids
 (tasks.prompt_token_ids): vLLM samples from exactly the tokens the trainer trains on.
 
-Imports torch, vLLM (inside the functions that build engines) and the project's
-spec_config, draft_tuner, weight_sync and tasks.
+Every setting of the engines arrives in one `RolloutConfig`. Imports torch, vLLM (inside the
+functions that build engines) and the project's spec_config, draft_tuner, weight_sync and
+tasks.
 """
 
 import dataclasses
@@ -42,7 +42,7 @@ from tasks import SEED_STRIDE, prompt_token_ids, step_seed
 
 # The probe: a greedy continuation of a fixed prompt riding along in each step's rollout;
 # its log-prob changes when the weights do. At most PROBE_TOKENS, and never more than the
-# rollout's: one token more would cost the engine a step of its own (9 of 95 ms on CPU).
+# rollout's: one token more would cost the engine a decoding step of its own.
 PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
 # Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
@@ -57,40 +57,60 @@ CPU_MLA_BACKEND = "CPU_MLA"
 CPU_MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How this device's engines are built and draft. `auto_draft` and `draft_tokens` are
+    --num-speculative-tokens settled: under auto a plain engine and a drafting one live side
+    by side and draft_tuner picks each rollout's k in 0..draft_tokens; else the drafting
+    engine always drafts draft_tokens."""
+    dtype: str = "float32"               # "bfloat16" on a GPU; fp32 matches the CPU trainer exactly
+    rollout_tp: int = 1                  # vLLM tensor parallel size: consecutive ranks form one engine
+    seed: int = 0                        # each engine's sampling seeds come from it, its step and its rank
+    temperature: float = 1.0             # the rollout's; log-probs are then the tempered distribution's
+    max_model_len: int = 4096            # the model's max_position_embeddings
+    mtp_rollout: bool = True             # draft with the model's own MTP head
+    auto_draft: bool = True              # k measured, not guessed: the fastest k depends on the batch
+    draft_tokens: int = 3                # the fixed k, or the deepest k auto tries (MTP heads: 1-3 pay)
+    check_draft_every: int = 1           # a stale draft is silent (only slower): check every push
+    spec_overrides: str = None           # the user's speculative_config JSON, merged into ours
+    gpu_memory_utilization: float = 0.3  # vLLM's share of a GPU the trainer also uses
+    kv_cache_bytes: int = 2**28          # the KV cache on CPU, where vLLM sizes it by bytes
+
+
 def _config(model_dir):
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f)
 
 
-def build_engine(model_dir, *, rank, dtype, rollout_tp, seed, temperature, max_model_len, draft_tokens=0,
-                 dynamic=False, spec_overrides=None, gpu_memory_utilization=0.3, kv_cache_bytes=2**28):
-    """One vLLM engine on this device: drafting `draft_tokens` tokens per verify step with the
-    MTP head (0: no drafting; `dynamic`: switchable down to 0 per rollout). dtype:
-    "float32" or "bfloat16". `spec_overrides`: the user's speculative_config JSON."""
+def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False):
+    """One vLLM engine on this device, built as `rollout_config` (a RolloutConfig) says:
+    drafting `draft_tokens` tokens per verify step with the MTP head (0: no drafting;
+    `dynamic`: switchable down to 0 per rollout)."""
     from vllm import LLM
-    config = _config(model_dir)
-    options = dict(model=model_dir, tensor_parallel_size=rollout_tp, distributed_executor_backend="external_launcher",
-                   dtype=dtype, max_model_len=max_model_len, seed=seed + rank // rollout_tp,
+    config, rc = _config(model_dir), rollout_config
+    options = dict(model=model_dir, tensor_parallel_size=rc.rollout_tp,
+                   distributed_executor_backend="external_launcher", dtype=rc.dtype, max_model_len=rc.max_model_len,
+                   seed=rc.seed + rank // rc.rollout_tp,
                    # CUDA graphs replay without calling RoutingRecorder's hooks: MoE engines run eager.
                    enforce_eager=not torch.cuda.is_available() or "n_routed_experts" in config,
                    # Only a drafting engine's statistics are read (SpecDecodeMeter); a plain
                    # engine saves vLLM's per-step bookkeeping of them (its Prometheus metrics).
                    disable_log_stats=not draft_tokens, use_tqdm_on_load=False,
                    weight_transfer_config=weight_sync.in_process_weight_transfer_config())
-    if temperature != 1.0:
+    if rc.temperature != 1.0:
         # Log-probs of the tempered distribution the tokens were drawn from.
         options["logprobs_mode"] = "processed_logprobs"
     if torch.cuda.is_available():
-        options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        options.update(gpu_memory_utilization=rc.gpu_memory_utilization, enable_sleep_mode=True)
     else:
-        options.update(kv_cache_memory_bytes=kv_cache_bytes)
+        options.update(kv_cache_memory_bytes=rc.kv_cache_bytes)
     cpu_mla = not torch.cuda.is_available() and "kv_lora_rank" in config
     if cpu_mla:
         options.update(attention_config={"backend": CPU_MLA_BACKEND},
                        compilation_config={"custom_ops": CPU_MLA_CUSTOM_OPS})
     if draft_tokens:
         spec_config.fix_cpu_draft_sampling()
-        speculative = spec_config.build_mtp_speculative_config("mtp", draft_tokens, spec_overrides)
+        speculative = spec_config.build_mtp_speculative_config("mtp", draft_tokens, rc.spec_overrides)
         if cpu_mla:
             speculative.setdefault("attention_backend", CPU_MLA_BACKEND)
         if dynamic:
@@ -228,17 +248,16 @@ class Engines:
             self.asleep.discard(id(engine))
 
 
-def build_engines(model_dir, *, mtp_rollout, num_speculative_tokens, max_speculative_tokens, check_draft_every=1,
-                  **engine_options):
-    """This device's engines for the run's drafting mode (see `Engines`).
-    num_speculative_tokens: "auto" or an int >= 1; `engine_options` go to `build_engine`."""
-    auto = mtp_rollout and num_speculative_tokens == "auto"
-    deepest = max_speculative_tokens if num_speculative_tokens == "auto" else num_speculative_tokens
-    plain = build_engine(model_dir, **engine_options) if auto or not mtp_rollout else None
-    drafting = build_engine(model_dir, draft_tokens=deepest, dynamic=auto, **engine_options) if mtp_rollout else None
-    engines = Engines(plain, drafting, draft_tokens=0 if auto or not mtp_rollout else num_speculative_tokens,
-                      rollout_tp=engine_options["rollout_tp"], deepest=deepest, check_draft_every=check_draft_every,
-                      tuner=draft_tuner.DraftTuner(max_speculative_tokens) if auto else None,
+def build_engines(model_dir, rollout_config, rank):
+    """This device's engines for the run's drafting mode (see `Engines`), each built as
+    `rollout_config` (a RolloutConfig) says."""
+    rc = rollout_config
+    auto = rc.mtp_rollout and rc.auto_draft
+    plain = build_engine(model_dir, rc, rank) if auto or not rc.mtp_rollout else None
+    drafting = build_engine(model_dir, rc, rank, draft_tokens=rc.draft_tokens, dynamic=auto) if rc.mtp_rollout else None
+    engines = Engines(plain, drafting, draft_tokens=0 if auto or not rc.mtp_rollout else rc.draft_tokens,
+                      rollout_tp=rc.rollout_tp, deepest=rc.draft_tokens, check_draft_every=rc.check_draft_every,
+                      tuner=draft_tuner.DraftTuner(rc.draft_tokens) if auto else None,
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
     moe = "n_routed_experts" in _config(model_dir)
     for engine in engines.all():
@@ -286,7 +305,8 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None, p
     sampled in the same engine call (one request more in its batch, not a call of its
     own), else None.
 
-    A sample is {example, prompt_ids, response_ids, text, rollout_logprobs, truncated};
+    A sample is {example, group, prompt_ids, response_ids, text, rollout_logprobs, truncated};
+    `group` is its example's index in `examples`;
     `prompt_ids` are the ids vLLM reports it sampled from (the trainer trains on exactly
     those); `text` is vLLM's, or with `params.detokenize` off (`sampling_params`) decoded
     here as vLLM would have (the outputs then carry no text); `truncated`: the completion
@@ -330,7 +350,8 @@ def rollout(llm, tokenizer, examples, params, rollout_tp, rank, recorder=None, p
     ordered = []
     for index in range(len(examples)):
         engine, position = index % num_engines, index // num_engines
-        ordered.extend(by_engine[engine][position * params.n:(position + 1) * params.n])
+        group = by_engine[engine][position * params.n:(position + 1) * params.n]
+        ordered.extend(dict(sample, group=index) for sample in group)
     return ordered, outputs, probed
 
 

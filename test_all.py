@@ -41,6 +41,7 @@ import checkpoint
 import cp_thd
 import cpu_backend
 import draft_tuner
+import flags
 import forward
 import grpo_loss
 import megatron_model
@@ -1672,7 +1673,7 @@ def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tm
                 f"{broken}:f": "does not import (ModuleNotFoundError",
                 str(path): "expected FILE.py:FUNCTION"}
     for spec, message in expected.items():
-        problems = train_grpo.flag_problems(train_grpo.parse_args(["--reward", spec]), world_size=2)
+        problems = flags.flag_problems(flags.parse_args(["--reward", spec]), world_size=2)
         assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
     # At step time (every rank scores every sample, before the optimizer step).
     sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
@@ -1719,13 +1720,13 @@ def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_ro
     # Flags: the extension and the keys are checked before any work.
     table = tmp_path / "table.csv"
     table.write_text("prompt,answer\n")
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", str(table)]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--data", str(table)]), 2) == [
         f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
         "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--prompt-key", "question"]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--prompt-key", "question"]), 2) == [
         "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--data", verl, "--prompt-key", "prompt",
+    assert flags.flag_problems(flags.parse_args(["--data", verl, "--prompt-key", "prompt",
                                                            "--answer-key", "reward_model.ground_truth"]), 2) == []
 
 
@@ -1917,7 +1918,7 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     with pytest.raises(checkpoint.CheckpointError,
                        match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
         checkpoint.choose_checkpoint(str(out), "auto", train_grpo.run_layout(_settings(["--tp", "2"]), world_size=4))
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
+    assert flags.flag_problems(flags.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
         .startswith(f"--resume never: {out / 'checkpoints'} holds checkpoints of an earlier run")
     # What a resumed run keeps of metrics.jsonl: each step once, up to the checkpoint.
     kept = checkpoint.keep_records(str(out / "metrics.jsonl"), 4)
@@ -3020,8 +3021,7 @@ def _moe_push_into_vllm(checkpoint):
     cpu_backend.init_model_parallel()
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
-    engine = rollout.build_engine(checkpoint, rank=0, dtype="float32", rollout_tp=1, seed=0, temperature=1.0,
-                                  max_model_len=256, draft_tokens=1)
+    engine = rollout.build_engine(checkpoint, rollout.RolloutConfig(max_model_len=256), 0, draft_tokens=1)
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=0, logprobs=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(3)
 
@@ -3084,8 +3084,7 @@ def _moe_routing_replay(checkpoint):
     model = build_gpt_model(checkpoint)
     weight_sync.load_hf_into_megatron(model, checkpoint)
     _perturb(model, seed=5)
-    engine = rollout.build_engine(checkpoint, rank=0, dtype="float32", rollout_tp=1, seed=0, temperature=1.0,
-                                  max_model_len=256, draft_tokens=2)
+    engine = rollout.build_engine(checkpoint, rollout.RolloutConfig(max_model_len=256), 0, draft_tokens=2)
     weight_sync.push_to_vllm(model, engine)
     recorder = rollout.RoutingRecorder(engine)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -3426,10 +3425,10 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
 TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
 
 
-def _settings(flags=()):
-    """train_grpo's resolved settings for `flags`: what a run with them uses."""
-    args = train_grpo.parse_args(list(flags))
-    return train_grpo.resolve(args, train_grpo.model_config(args))
+def _settings(given=()):
+    """train_grpo's resolved settings for `given`: what a run with them uses."""
+    args = flags.parse_args(list(given))
+    return flags.resolve(args, flags.model_config(args))
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -3677,11 +3676,11 @@ def _refuse_process_group(*args, **kwargs):
 
 @pytest.mark.parametrize("kind", BAD_FLAGS)
 def test_train_grpo_rejects_a_bad_flag_before_the_process_group(kind, tmp_path, monkeypatch):
-    flags, expected = BAD_FLAGS[kind]
+    given, expected = BAD_FLAGS[kind]
     # The check comes before the process group, so before any model or engine.
     monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
     with pytest.raises(SystemExit) as refused:
-        train_grpo.main(train_grpo.parse_args(["--out", str(tmp_path / "out"), *flags]))
+        train_grpo.main(flags.parse_args(["--out", str(tmp_path / "out"), *given]))
     assert expected in str(refused.value.code)
     assert not (tmp_path / "out").exists()
 
@@ -3701,12 +3700,12 @@ RECIPE_REFUSALS = {
 
 
 @pytest.mark.parametrize("kind", RECIPE_REFUSALS)
-def test_train_grpo_refuses_recipe_flags_where_they_mean_nothing(kind):
-    flags, expected = RECIPE_REFUSALS[kind]
-    problems = train_grpo.flag_problems(train_grpo.parse_args(["--out", "unused", *flags]), 2)
+def test_flags_refuses_recipe_flags_where_they_mean_nothing(kind):
+    given, expected = RECIPE_REFUSALS[kind]
+    problems = flags.flag_problems(flags.parse_args(["--out", "unused", *given]), 2)
     assert len(problems) == 1 and expected in problems[0], problems
-    # The same flags with what makes them mean something are taken.
-    assert train_grpo.sampling_problems(train_grpo.parse_args(["--data", "gsm8k_sample.jsonl", "--dynamic-sampling"]))\
+    # The same given with what makes them mean something are taken.
+    assert flags.sampling_problems(flags.parse_args(["--data", "gsm8k_sample.jsonl", "--dynamic-sampling"]))\
         == []
 
 
@@ -3741,6 +3740,8 @@ def test_train_grpo_dynamic_sampling_keeps_informative_groups_in_draw_order(monk
     # Round 1's prompts come from (seed, step, round) alone.
     assert calls[1][1] == [e["prompt"] for e in tasks.sample_prompts(examples, 3, 3, 0, sampling_round=1)]
     assert [s["reward"] for s in samples] == [1, 0, 0, 1, 1, 0]
+    # Each sample carries its group's index in the batch, not in its round.
+    assert [s["group"] for s in samples] == [0, 0, 1, 1, 2, 2]
     assert [s["example"]["prompt"] for s in samples[4:]] == [calls[1][1][1]] * 2
     assert rewards.tolist() == [1, 0, 0, 1, 1, 0]
     assert metrics == {"sampling_rounds": 2, "informative_group_share": 3 / 6, "probe_logprob": -1.5}
@@ -3769,7 +3770,7 @@ def test_train_grpo_math_reward_recipe_runs_end_to_end(tmp_path, monkeypatch):
                         "--rollout-mask", "sequence", "--wandb-project", "test", "--no-mtp-rollout")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
-        assert 1 <= record["sampling_rounds"] <= train_grpo.DEFAULT_SAMPLING_ROUNDS
+        assert 1 <= record["sampling_rounds"] <= flags.DEFAULT_SAMPLING_ROUNDS
         assert 0 <= record["informative_group_share"] <= 1 and 0 <= record["truncated_fraction"] <= 1
         # The soft punishment takes up to 1 from a 0/1 reward.
         assert -1 <= record["reward_mean"] <= 1 and math.isfinite(record["grad_norm"])
@@ -3778,13 +3779,13 @@ def test_train_grpo_math_reward_recipe_runs_end_to_end(tmp_path, monkeypatch):
     assert glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))
 
 
-def test_train_grpo_help_lists_every_flag_with_its_help(capsys):
+def test_flags_help_lists_every_flag_with_its_help(capsys):
     # A '%' in a help string that argparse does not expect breaks --help for every flag.
     with pytest.raises(SystemExit) as exited:
-        train_grpo.parse_args(["--help"])
+        flags.parse_args(["--help"])
     assert exited.value.code == 0
     printed = " ".join(capsys.readouterr().out.split())
-    parser_flags = re.findall(r"p\.add_argument\(\"(--[a-z-]+)\"", open(os.path.join(REPO_DIR, "train_grpo.py")).read())
+    parser_flags = re.findall(r"p\.add_argument\(\"(--[a-z-]+)\"", open(os.path.join(REPO_DIR, "flags.py")).read())
     assert len(parser_flags) > 40
     for flag in parser_flags:
         assert flag in printed, flag
@@ -3806,7 +3807,7 @@ def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_no
     assert not (tmp_path / "out").exists()
 
 
-def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
+def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     # Each bound stands beside its flag (argparse's type=): refused while parsing, naming the value.
     bounds = {("--steps", "0"): "0: expected a number >= 1", ("--steps", "x"): "'x': expected an int",
               ("--lr", "-1"): "-1.0: expected a number > 0", ("--clip-low", "1.5"): "1.5: expected a number < 1",
@@ -3818,47 +3819,47 @@ def test_train_grpo_checks_every_range_and_the_model_before_any_work(tmp_path):
               ("--gpu-memory-utilization", "1.5"): "1.5: expected a number <= 1"}
     for (flag, value), message in bounds.items():
         with pytest.raises(SystemExit) as refused:
-            train_grpo.parse_args([flag, value])
+            flags.parse_args([flag, value])
         assert f"train_grpo.py: argument {flag}: {message}" in str(refused.value.code), (flag, refused.value.code)
-    assert train_grpo.parse_args(["--dual-clip", "1.01", "--check-draft-every", "0"]).check_draft_every == 0
-    assert train_grpo.flag_problems(train_grpo.parse_args([]), world_size=2) == []
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--tp", "3"]), world_size=2) == [
+    assert flags.parse_args(["--dual-clip", "1.01", "--check-draft-every", "0"]).check_draft_every == 0
+    assert flags.flag_problems(flags.parse_args([]), world_size=2) == []
+    assert flags.flag_problems(flags.parse_args(["--tp", "3"]), world_size=2) == [
         "--tp 3 x --cp 1 = 3: expected a divisor of the world size 2"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--spec-config", '{"num_speculative_tokens": 0}']), 2) \
+    assert flags.flag_problems(flags.parse_args(["--spec-config", '{"num_speculative_tokens": 0}']), 2) \
         == ["--spec-config '{\"num_speculative_tokens\": 0}': num_speculative_tokens must be an int >= 1, got 0"]
     no_mtp = tiny_model.build_tiny_model(str(tmp_path / "no-mtp"), num_mtp_layers=0)
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", no_mtp, "--mtp-rollout"]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--model", no_mtp, "--mtp-rollout"]), 2) == [
         f"--mtp-rollout: {no_mtp} has no MTP layers (num_nextn_predict_layers is 0); pass --no-mtp-rollout"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
+    assert flags.flag_problems(flags.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
         f"--tp 4: expected a divisor of {no_mtp}'s 2 key/value heads"]
     with pytest.raises(SystemExit, match="argument --num-speculative-tokens: '0': expected auto or an int >= 1"):
-        train_grpo.parse_args(["--num-speculative-tokens", "0"])
-    assert train_grpo.parse_args(["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
+        flags.parse_args(["--num-speculative-tokens", "0"])
+    assert flags.parse_args(["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
+    assert flags.flag_problems(flags.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
                                                            no_mtp]), 2) == [
         f"--builtin-model deep: only used without --model (this run has --model {no_mtp!r})",
         "--count-step 2: only read with --task count"]
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2}))
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", str(llama)]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--model", str(llama)]), 2) == [
         f"--model {str(llama)!r}: architecture LlamaForCausalLM is not one this project builds; expected "
         "MiMoForCausalLM or DeepseekV3ForCausalLM or Glm4MoeForCausalLM"]
     glm = tiny_model.build_tiny_model(str(tmp_path / "glm"), "glm")
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--ep", "2"]), 2) == []
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--ep", "4"]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "2"]), 2) == []
+    assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "4"]), 2) == [
         "--tp 1 x --ep 4 = 4: expected a divisor of the world size 2"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--ep", "3"]), 3) == [
+    assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "3"]), 3) == [
         f"--ep 3: expected a divisor of {glm}'s 8 routed experts"]
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--tp", "2"]), 2) == []
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", glm, "--tp", "2", "--shared-prefix"]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--model", glm, "--tp", "2"]), 2) == []
+    assert flags.flag_problems(flags.parse_args(["--model", glm, "--tp", "2", "--shared-prefix"]), 2) == [
         f"--shared-prefix: {glm} is an MoE model, which trains under --tp 2 with sequence parallelism, and the "
         "layout has none; leave the flag out"]
-    assert not train_grpo.check_args(train_grpo.parse_args(["--model", glm, "--tp", "2"]), 2).shared_prefix
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--ep", "2"]), 2) == [
+    assert not flags.check_args(flags.parse_args(["--model", glm, "--tp", "2"]), 2).shared_prefix
+    assert flags.flag_problems(flags.parse_args(["--ep", "2"]), 2) == [
         "--ep 2: the built-in tiny model has no experts; expected --ep 1"]
     missing = str(tmp_path / "missing")
-    assert train_grpo.flag_problems(train_grpo.parse_args(["--model", missing, "--resume", missing]), 2) == [
+    assert flags.flag_problems(flags.parse_args(["--model", missing, "--resume", missing]), 2) == [
         f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",
         f"--resume {missing!r}: no such directory; expected auto, never or a checkpoint dir"]
 
@@ -3877,7 +3878,8 @@ def _synthetic_samples(args, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [{"prompt_ids": torch.randint(3, 100, (TRAIN_STEP_PROMPT_LENGTH,), generator=generator).tolist(),
              "response_ids": torch.randint(3, 100, (args.max_new_tokens,), generator=generator).tolist(),
-             "advantages": torch.full((args.max_new_tokens,), 1.0 if index % 2 else -1.0)}
+             "advantages": torch.full((args.max_new_tokens,), 1.0 if index % 2 else -1.0),
+             "group": index // args.group_size}
             for index in range(args.prompts_per_step * args.group_size)]
 
 
@@ -3909,7 +3911,7 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
     for sample, logprobs in zip(samples, before):
         sample["rollout_logprobs"] = logprobs.tolist()
     mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
-    totals = [trainer.train_step(policy, mine, args) for _ in range(steps)]
+    totals = [trainer.train_step(policy, mine, flags.train_config(args)) for _ in range(steps)]
     change = torch.stack([(a - b).mean() for a, b in zip(_response_logprobs(model, samples), before)])
     result = {"totals": totals, "positive_change": change[1::2].mean().item(),
               "negative_change": change[0::2].mean().item(), "dtype": str(next(model.parameters()).dtype),
@@ -3930,7 +3932,7 @@ CLIP_TIGHT, CLIP_LOOSE = 1e-3, 0.99
 
 
 def _weights_after_train(checkpoint, mini_batches_and_clips):
-    """train_grpo.train on one synthetic rollout batch from the same start for each
+    """trainer.train on one synthetic rollout batch from the same start for each
     (mini_batches, clip): the weights after it, and the metrics."""
     from megatron_model import build_gpt_model
     cpu_backend.init_distributed()
@@ -3951,7 +3953,7 @@ def _weights_after_train(checkpoint, mini_batches_and_clips):
                                       "--mini-batches", str(mini_batches), "--clip-low", str(clip),
                                       "--clip-high", str(clip)])
         policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
-        metrics = trainer.train(policy, [dict(sample) for sample in samples], args)
+        metrics = trainer.train(policy, [dict(sample) for sample in samples], flags.train_config(args))
         results.append({"weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
                         "clip_fraction": metrics["clip_fraction"] / metrics["tokens"],
                         "ratio_max": metrics["ratio_max"]})
@@ -4021,10 +4023,10 @@ def _optimizer_without_cuda_on_cpu(checkpoint):
     return None
 
 
-def _main_with_flags(flags):
+def _main_with_flags(given):
     """train_grpo.main in a world of one; the SystemExit message, or None if it returned."""
     try:
-        train_grpo.main(train_grpo.parse_args(flags))
+        train_grpo.main(flags.parse_args(given))
     except SystemExit as error:
         return str(error)
     return None
@@ -4052,7 +4054,7 @@ def _non_finite_train_step(checkpoint):
     samples[3]["advantages"] = torch.full_like(samples[3]["advantages"], float("nan"))
     before = [param.detach().clone() for param in model.parameters()]
     try:
-        trainer.train_step(policy, samples, args)
+        trainer.train_step(policy, samples, flags.train_config(args))
     except FloatingPointError as error:
         return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return None, None
@@ -4093,8 +4095,7 @@ def _rollout_prompt_ids(checkpoint, data):
     settings = _settings(["--data", data, "--group-size", "2", "--max-new-tokens", "3"])
     examples = tasks.load_examples(data) + [{"prompt": "repeat:e", "answer": "eee"}]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    llm = rollout.build_engine(checkpoint, rank=rank, dtype="float32", rollout_tp=1, seed=0, temperature=1.0,
-                               max_model_len=settings.max_positions, draft_tokens=1)
+    llm = rollout.build_engine(checkpoint, flags.rollout_config(settings), rank, draft_tokens=1)
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
     samples, outputs, probed = rollout.rollout(llm, tokenizer, examples, params, 1, rank, probe=True)
     # The probe alone, as its own engine call.
@@ -4214,15 +4215,15 @@ def test_train_grpo_signals_stop_every_rank_at_one_step_saved_and_the_same_comma
         stdout and interrupted < terminated < 16
 
 
-def test_train_grpo_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):
+def test_flags_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
-    assert train_grpo.resume_flag_changes(directory, _settings(same)) == ""
-    assert train_grpo.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"])) == \
+    assert flags.resume_flag_changes(directory, _settings(same)) == ""
+    assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"])) == \
         "--steps 8 (was 5), --lr 0.0001 (was 0.0003)"
     with pytest.raises(SystemExit) as refused:
-        train_grpo.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg",
+        flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg",
                                                                     "seq-mean-token-sum", "--lr", "1e-4"]))
     assert str(refused.value.code) == (
         f"train_grpo.py: --resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "

@@ -1,28 +1,27 @@
 """The train phase of GRPO on Megatron-Core: one rollout batch -> optimizer steps.
 
-    policy = build_policy(model_dir, settings)             # GPTModel shard + DDP + Adam
-    sums = train(policy, samples, settings)                # --ppo-epochs x --mini-batches steps
+    config = TrainConfig(lr=1e-3, loss=grpo_loss.LossConfig(clip_high=0.28))
+    policy = build_policy(model_dir, config)               # GPTModel shard + DDP + Adam
+    sums = train(policy, samples, config)                  # ppo_epochs x mini_batches steps
     metrics = reduce_metrics(sums, device)                 # the step's values, same on every rank
 
 A sample is one completion: {prompt_ids, response_ids (lists of ints), advantages [R]
-fp32, rollout_logprobs (R floats, the rollout engine's)}. Each micro-batch is packed THD
+fp32, rollout_logprobs (R floats, the rollout engine's), group (the index of its prompt's
+group: one group's samples are consecutive)}. Each micro-batch is packed THD
 (forward.forward_logprobs: cp_thd zigzag under context parallel), its loss is
 grpo_loss's, normalised over the global token or sequence count so that megatron-core's
 DDP sum of gradients over data x context parallel ranks is the mean. The MTP loss
 (--mtp-train) rides on the same backward pass. A non-finite loss or gradient norm stops
 every rank before the optimizer touches the weights, so the last checkpoint stays good.
 
-`settings` is any object with the attributes named in the code (train_grpo's resolved
-flags): lr, grad_clip, tp, cp, bf16, kl_coef, mtp_train, mtp_rollout, temperature,
-loss, loss_agg, clip_low, clip_high, dual_clip, tis_cap, rollout_mask, rollout_mask_low,
-rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs,
-group_size, shared_prefix.
+Every setting arrives in one `TrainConfig`, the loss's in its `grpo_loss.LossConfig`.
 Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
 megatron_model and weight_sync.
 """
 
 import contextlib
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -40,10 +39,32 @@ from megatron_model import build_gpt_model
 
 ADAM_EPS = 1e-8
 # Gradient all-reduce buckets: at least four per model, so the first ones travel while
-# backward computes the rest (bit-identical sums; ~7% of the tiny model's CPU step), and
-# at most megatron-core's own default size.
+# backward computes the rest (the sums stay bit-identical), and at most megatron-core's own
+# default size.
 MIN_GRAD_BUCKETS = 4
 MAX_GRAD_BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What the train phase reads: the model's layout and numerics, the optimizer, how a
+    rollout batch splits into optimizer steps and micro-batches, the MTP head, the loss."""
+    lr: float = 1e-6                  # Adam's step size; RL on a pretrained model moves it little
+    grad_clip: float = 1.0            # global norm: one outlier batch cannot wreck the policy
+    tp: int = 1                       # Megatron tensor, context and expert parallel sizes
+    cp: int = 1
+    ep: int = 1
+    bf16: bool = False                # bf16 weights, fp32 master weights: the GPU's; fp32 is exact on CPU
+    temperature: float = 1.0          # the rollout's: log-probs of the distribution it sampled
+    micro_batches: int = 1            # gradient accumulation per optimizer step
+    mini_batches: int = 1             # optimizer steps per pass over the batch; 1 keeps the ratio at 1
+    ppo_epochs: int = 1               # passes over the batch
+    shared_prefix: bool = False       # each group's prompt once, its completions attending to it
+    routing_replay: bool = False      # MoE: Megatron's routers take the rollout's experts
+    mtp_train: bool = True            # the MTP head's loss rides on the policy's backward pass
+    mtp_rollout: bool = True          # vLLM drafts with the head: the trunk's final norm stays frozen
+    mtp_loss_scale: float = 1.0       # x megatron's MTP loss weight
+    loss: grpo_loss.LossConfig = grpo_loss.LossConfig()
 
 
 # ---------------------------------------------------------------------------------------
@@ -85,31 +106,30 @@ def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True):
         inner = getattr(part, "optimizer", None)
         if isinstance(inner, torch.optim.Adam) and not torch.cuda.is_available():
             # Without apex or Transformer Engine megatron-core builds torch's Adam with its
-            # per-tensor loop; torch's fused CPU kernel makes the same update in one call per
-            # step (4.5 -> 1.5 ms for the default model's 2M parameters).
+            # per-tensor loop; torch's fused CPU kernel makes the same update in one call.
             for group in inner.param_groups:
                 group.update(fused=True, foreach=False)
     return ddp_model, optimizer
 
 
-def build_policy(model_dir, settings):
-    """The policy from `model_dir`'s weights (and the reference model when --kl-coef > 0),
-    on this process's device (build_gpt_model's)."""
+def build_policy(model_dir, config):
+    """The policy from `model_dir`'s weights (and the reference model when the loss's
+    kl_coef > 0), on this process's device (build_gpt_model's); `config` a TrainConfig."""
     def load(mtp):
-        model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=settings.tp, context_parallel=settings.cp,
-                                expert_parallel=settings.ep,
-                                params_dtype=torch.bfloat16 if settings.bf16 else torch.float32)
+        model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=config.tp, context_parallel=config.cp,
+                                expert_parallel=config.ep,
+                                params_dtype=torch.bfloat16 if config.bf16 else torch.float32)
         weight_sync.load_hf_into_megatron(model, model_dir)
         return model
 
-    model = load(mtp=settings.mtp_train)
-    reference = load(mtp=False).eval() if settings.kl_coef > 0 else None
-    if settings.mtp_train and settings.mtp_rollout:
+    model = load(mtp=config.mtp_train)
+    reference = load(mtp=False).eval() if config.loss.kl_coef > 0 else None
+    if config.mtp_train and config.mtp_rollout:
         # Megatron's MTP layer reads the trunk's hidden state after the final norm, vLLM's
         # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
         # only while the final norm's weight is uniform. Keep it as it is.
         model.decoder.final_layernorm.weight.requires_grad_(False)
-    return Policy(model, *build_optimizer(model, settings.lr, settings.grad_clip), reference)
+    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip), reference)
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,7 +140,7 @@ def pack_micro_batch(samples, device):
     """Samples -> packed tensors on `device`: input_ids [T] int64, seqlens [B] int64, and
     loss_mask, advantages, rollout_logprobs, old_logprobs [T] fp32, each at the position
     that predicts its response token (position i predicts token i + 1); old_logprobs is
-    None until `record_old_logprobs` has settings. A sample with "in_loss" False (a
+    None until `record_old_logprobs` has set them. A sample with "in_loss" False (a
     truncated completion under --overlong-filter) has loss_mask 0."""
     sequences = [s["prompt_ids"] + s["response_ids"] for s in samples]
     seqlens = torch.tensor([len(ids) for ids in sequences])
@@ -149,45 +169,51 @@ def packed_routing(samples, device):
     return torch.cat([sample["routed_experts"] for sample in samples]).long().to(device)
 
 
-def forward_options(samples, settings, device, routing=True):
-    """forward_logprobs' keywords for these samples: the shared-prefix groups
-    (--shared-prefix: one prompt's completions are consecutive, group_size of them, so runs
-    of gcd(len(samples), group_size) lie within one prompt's wherever a micro-batch starts)
-    and, with `routing`, the rollout's routing, replayed (--routing-replay) or compared with
-    Megatron's own."""
-    options = {"prefix_group_size": math.gcd(len(samples), settings.group_size)} if settings.shared_prefix else {}
+def prefix_group_size(samples):
+    """How many consecutive samples forward_logprobs may pack as one shared-prefix group: the
+    gcd of the lengths of the runs of samples of one group (a micro-batch may start or end
+    inside a group), so that every run of that many lies within one prompt's group."""
+    runs = [len(list(run)) for _, run in itertools.groupby(sample["group"] for sample in samples)]
+    return math.gcd(*runs)
+
+
+def forward_options(samples, config, device, routing=True):
+    """forward_logprobs' keywords for these samples: the shared-prefix groups (with
+    `config.shared_prefix`) and, with `routing`, the rollout's routing, replayed
+    (`config.routing_replay`) or compared with Megatron's own."""
+    options = {"prefix_group_size": prefix_group_size(samples)} if config.shared_prefix else {}
     routed = packed_routing(samples, device) if routing else None
     if routed is not None:
-        options.update(routed_experts=routed, replay_routing=settings.routing_replay)
+        options.update(routed_experts=routed, replay_routing=config.routing_replay)
     return options
 
 
 @torch.no_grad()
-def record_old_logprobs(policy, samples, settings):
+def record_old_logprobs(policy, samples, config):
     """Set each sample's "old_logprobs" ([response length] fp32, on the host): its response
     log-probs under the current weights, the policy that sampled it, at Megatron's numerics.
     One no-grad forward per micro-batch, before the first update."""
-    per_micro = len(samples) // (settings.mini_batches * settings.micro_batches)
+    per_micro = len(samples) // (config.mini_batches * config.micro_batches)
     device = next(policy.model.parameters()).device
     for start in range(0, len(samples), per_micro):
         micro = samples[start:start + per_micro]
         input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
         logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
-                                    temperature=settings.temperature, gather=True,
-                                    **forward_options(micro, settings, device)).logprobs.float().cpu()
+                                    temperature=config.temperature, gather=True,
+                                    **forward_options(micro, config, device)).logprobs.float().cpu()
         for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
             sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
 
 
-def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums):
+def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums):
     """Forward one micro-batch; returns its loss (a scalar: its share of the global mean)
     and adds its metric sums (over this rank's tokens) into `sums` by name."""
     device = next(policy.model.parameters()).device
     input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = pack_micro_batch(samples, device)
-    weights = grpo_loss.token_weights(loss_mask, seqlens, settings.loss_agg, num_sequences, num_tokens)
-    out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=settings.temperature,
-                           with_entropy=True, mtp_train=settings.mtp_train,
-                           **forward_options(samples, settings, device))
+    weights = grpo_loss.token_weights(loss_mask, seqlens, config.loss.loss_agg, num_sequences, num_tokens)
+    out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=config.temperature,
+                           with_entropy=True, mtp_train=config.mtp_train,
+                           **forward_options(samples, config, device))
     batch, local_mask = out.batch, out.loss_mask
     # One optimizer step per rollout batch: this forward is the policy that sampled it.
     old_logprobs = out.logprobs.detach() if old_logprobs is None else batch.pack(old_logprobs)
@@ -195,25 +221,25 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, settings, sums)
     sequence_index = batch.pack(torch.repeat_interleave(torch.arange(len(seqlens), device=device), seqlens.to(device)))
     per_sequence = dict(loss_mask=local_mask, sequence_index=sequence_index, num_sequences=len(seqlens),
                         sum_over_ranks=sum_over_context_parallel)
-    kept = grpo_loss.rollout_mask(old_logprobs, local_rollout, level=settings.rollout_mask,
-                                  low=settings.rollout_mask_low, high=settings.rollout_mask_high, **per_sequence)
+    kept = grpo_loss.rollout_mask(old_logprobs, local_rollout, level=config.loss.rollout_mask,
+                                  low=config.loss.rollout_mask_low, high=config.loss.rollout_mask_high, **per_sequence)
     per_token, acted = grpo_loss.policy_loss(out.logprobs, old_logprobs, local_rollout, batch.pack(advantages),
-                                             clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                             dual_clip=settings.dual_clip, tis_cap=settings.tis_cap,
-                                             loss=settings.loss, **per_sequence)
+                                             clip_low=config.loss.clip_low, clip_high=config.loss.clip_high,
+                                             dual_clip=config.loss.dual_clip, tis_cap=config.loss.tis_cap,
+                                             loss=config.loss.loss, **per_sequence)
     loss = (per_token * kept * local_weights).sum()
-    if settings.entropy_coef > 0:
-        loss = loss - settings.entropy_coef * (out.entropy * local_weights).sum()
+    if config.loss.entropy_coef > 0:
+        loss = loss - config.loss.entropy_coef * (out.entropy * local_weights).sum()
     if policy.reference is not None:
         with torch.no_grad():
             reference_logprobs = forward_logprobs(policy.reference, input_ids, seqlens, loss_mask=loss_mask,
-                                                  temperature=settings.temperature,
-                                                  **forward_options(samples, settings, device, routing=False)).logprobs
+                                                  temperature=config.temperature,
+                                                  **forward_options(samples, config, device, routing=False)).logprobs
         k3 = grpo_loss.k3_kl(out.logprobs, reference_logprobs) * local_mask
-        loss = loss + settings.kl_coef * (k3 * local_weights).sum()
+        loss = loss + config.loss.kl_coef * (k3 * local_weights).sum()
         sums["kl_to_reference"] += float((k3 * local_mask).sum())
     sums["total_loss"] += float(loss.detach())
-    sums["mtp_loss"] += float(out.mtp_loss) / settings.micro_batches if out.mtp_loss is not None else 0.0
+    sums["mtp_loss"] += float(out.mtp_loss) / config.micro_batches if out.mtp_loss is not None else 0.0
     sums["rollout_masked_fraction"] += float(((1 - kept) * local_mask).sum())
     add_token_metrics(sums, out, old_logprobs, local_rollout, acted, local_mask)
     return loss
@@ -254,12 +280,12 @@ def add_token_metrics(sums, out, old_logprobs, rollout_logprobs, acted, mask):
         sums["routed_tokens"] += float(known.sum())
 
 
-def train_step(policy, samples, settings):
+def train_step(policy, samples, config):
     """One optimizer step on this data-parallel rank's share of a mini-batch; returns the
     metric sums of this rank by name (see `combine_steps`, `reduce_metrics`) and the
     global grad_norm."""
     dp_size = parallel_state.get_data_parallel_world_size()
-    per_micro = len(samples) // settings.micro_batches
+    per_micro = len(samples) // config.micro_batches
     device = next(policy.model.parameters()).device
     num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples if s.get("in_loss", True)))],
                               device=device)
@@ -267,13 +293,13 @@ def train_step(policy, samples, settings):
     # Every completion filtered out (--overlong-filter): a loss of 0, not 0 / 0.
     num_tokens.clamp_(min=1)
     # The MTP loss is a mean per micro-batch and rank; gradients are summed over both.
-    MTPLossAutoScaler.set_loss_scale(torch.tensor(settings.mtp_loss_scale / (settings.micro_batches * dp_size), device=device))
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(config.mtp_loss_scale / (config.micro_batches * dp_size), device=device))
     policy.ddp_model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
     for start in range(0, len(samples), per_micro):
         loss = micro_batch_loss(policy, samples[start:start + per_micro], len(samples) * dp_size, num_tokens,
-                                settings, sums)
+                                config, sums)
         # Every rank stops together, before the optimizer touches the weights: the last
         # checkpoint on disk stays the last good one.
         finite = torch.isfinite(loss.detach()).float().view(1)
@@ -323,16 +349,16 @@ def sum_tensor_parallel_partial_grads(model, attribute="grad"):
             grad.copy_(summed)
 
 
-def train(policy, samples, settings):
+def train(policy, samples, config):
     """The train phase: --ppo-epochs passes over this rank's samples, each in --mini-batches
     optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
-    if settings.ppo_epochs * settings.mini_batches > 1:
+    if config.ppo_epochs * config.mini_batches > 1:
         # Every step after the first sees moved weights: its ratio must be against the
         # policy that sampled the batch.
-        record_old_logprobs(policy, samples, settings)
-    per_mini = len(samples) // settings.mini_batches
-    return combine_steps([train_step(policy, samples[start:start + per_mini], settings)
-                          for _ in range(settings.ppo_epochs) for start in range(0, len(samples), per_mini)])
+        record_old_logprobs(policy, samples, config)
+    per_mini = len(samples) // config.mini_batches
+    return combine_steps([train_step(policy, samples[start:start + per_mini], config)
+                          for _ in range(config.ppo_epochs) for start in range(0, len(samples), per_mini)])
 
 
 # How each train metric is combined over optimizer steps (`combine_steps`) and over data x
