@@ -18,7 +18,7 @@ loss, loss_agg, clip_low, clip_high, dual_clip, tis_cap, rollout_mask, rollout_m
 rollout_mask_high, entropy_coef, mtp_loss_scale, micro_batches, mini_batches, ppo_epochs,
 group_size, shared_prefix.
 Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
-megatron_model and weight_sync.
+megatron_model and hf_weights.
 """
 
 import contextlib
@@ -33,7 +33,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 import grpo_loss
-import weight_sync
+import hf_weights
 from cpu_backend import cuda_on_cpu
 from forward import forward_logprobs
 from megatron_model import build_gpt_model
@@ -99,7 +99,7 @@ def build_policy(model_dir, settings):
         model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=settings.tp, context_parallel=settings.cp,
                                 expert_parallel=settings.ep,
                                 params_dtype=torch.bfloat16 if settings.bf16 else torch.float32)
-        weight_sync.load_hf_into_megatron(model, model_dir)
+        hf_weights.load_hf_into_megatron(model, model_dir)
         return model
 
     model = load(mtp=settings.mtp_train)
