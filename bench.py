@@ -28,12 +28,13 @@ import cp_thd
 import cpu_backend
 import draft_tuner
 import forward
+import hf_weights
 import mtp_patch
 import spec_config
 import tasks
 import tiny_model
 import trainer
-import weight_sync
+import vllm_sync
 from megatron_model import build_gpt_model
 from harness import REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
 
@@ -218,7 +219,7 @@ def naive_push(model, llm):
     gather, device-to-host move, dtype cast).
     """
     for layers, start in (("main", llm.start_weight_update), ("mtp", llm.start_draft_weight_update)):
-        state_dict = {name: tensor.clone() for name, tensor in weight_sync.megatron_to_hf(model, layers)}
+        state_dict = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model, layers)}
         start()
         llm.update_weights({"update_info": {"weights": list(state_dict.items())}})
         llm.finish_weight_update()
@@ -238,15 +239,15 @@ def measure_weight_sync_push(threads):
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as directory:
         checkpoint = tiny_model.build_tiny_model(directory, **WEIGHT_SYNC_SIZES)
         model = build_gpt_model(checkpoint)
-        weight_sync.load_hf_into_megatron(model, checkpoint)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
         llm = LLM(model=checkpoint, dtype="float32", max_model_len=256, seed=0, enforce_eager=True,
                   kv_cache_memory_bytes=2**26, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-                  weight_transfer_config=weight_sync.in_process_weight_transfer_config())
-        model_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in weight_sync.megatron_to_hf(model))
+                  weight_transfer_config=vllm_sync.in_process_weight_transfer_config())
+        model_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in hf_weights.megatron_to_hf(model))
         bucketed, naive = [], []
         for _ in range(WEIGHT_SYNC_REPEATS):
             bucketed.append(seconds_and_peak_bytes(
-                lambda: weight_sync.push_to_vllm(model, llm, WEIGHT_SYNC_BUCKET_BYTES)))
+                lambda: vllm_sync.push_to_vllm(model, llm, WEIGHT_SYNC_BUCKET_BYTES)))
             naive.append(seconds_and_peak_bytes(lambda: naive_push(model, llm)))
     return bucketed, naive, model_bytes
 
@@ -494,13 +495,13 @@ def measure_moe_expert_parallel(checkpoint, threads, expert_parallel):
     mtp_patch.patch_megatron_mtp()
     cpu_backend.init_model_parallel(expert_parallel=expert_parallel, seed=0)
     model = build_gpt_model(checkpoint, attention="thd", expert_parallel=expert_parallel)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     input_ids, seqlens = training_batch(tiny_model.VOCAB_SIZE, MOE_BATCH_SIZE)
     # Data parallel: each rank its own sequences (the same lengths, other tokens).
     input_ids = (input_ids + dist.get_rank()) % tiny_model.VOCAB_SIZE
     (ms, _), = interleaved_step_ms({"moe": (model, lambda: thd_step(model, input_ids, seqlens, mtp_train=True))}
                                    ).values()
-    experts = sum(param.numel() for name, param in model.named_parameters() if weight_sync.ROUTED_EXPERT.search(name))
+    experts = sum(param.numel() for name, param in model.named_parameters() if hf_weights.ROUTED_EXPERT.search(name))
     return ms, experts, int(seqlens.sum())
 
 

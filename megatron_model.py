@@ -42,7 +42,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 # layers). Set explicitly: up to megatron-core 0.15 the default is None and the MTP loss
 # divides by it.
 DEFAULT_MTP_LOSS_SCALING_FACTOR = 0.1
-# The Hugging Face architectures this builder (and weight_sync's name map) reproduces.
+# The Hugging Face architectures this builder (and hf_weights' name map) reproduces.
 SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm")))
 # megatron-core's token dispatcher for MoE layers: all-gather needs only the collectives
@@ -327,7 +327,7 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
     """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3 or GLM-4.5.
 
     Weights are megatron's random init, on the current GPU when there is one; load real ones
-    with weight_sync.py. `attention`:
+    with hf_weights.py. `attention`:
     "auto" is Transformer Engine where usable, else "thd" (see `layer_spec_for`); `config_options` go to
     `transformer_config` (tensor_parallel, context_parallel, expert_parallel, params_dtype, recompute, ...).
     """

@@ -22,7 +22,7 @@ what it would have sampled in an uninterrupted run. Prompts reach vLLM as token 
 (tasks.prompt_token_ids): vLLM samples from exactly the tokens the trainer trains on.
 
 Every setting of the engines arrives in one `RolloutConfig`. Imports torch, vLLM (inside the
-functions that build engines) and the project's spec_config, draft_tuner, weight_sync and
+functions that build engines) and the project's spec_config, draft_tuner, vllm_sync and
 tasks.
 """
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import draft_tuner
 import spec_config
-import weight_sync
+import vllm_sync
 from tasks import SEED_STRIDE, prompt_token_ids, step_seed
 
 # The probe: a greedy continuation of a fixed prompt riding along in each step's rollout;
@@ -96,7 +96,7 @@ def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False)
                    # Only a drafting engine's statistics are read (SpecDecodeMeter); a plain
                    # engine saves vLLM's per-step bookkeeping of them (its Prometheus metrics).
                    disable_log_stats=not draft_tokens, use_tqdm_on_load=False,
-                   weight_transfer_config=weight_sync.in_process_weight_transfer_config())
+                   weight_transfer_config=vllm_sync.in_process_weight_transfer_config())
     if rc.temperature != 1.0:
         # Log-probs of the tempered distribution the tokens were drawn from.
         options["logprobs_mode"] = "processed_logprobs"
@@ -390,16 +390,16 @@ def push_weights(engines, engine, model, version):
     """Push the trainer's weights (those after step `version`) into `engine` unless it holds
     them already: an engine that sat idle while the other rolled out catches up here.
     Every `check_draft_every` steps a drafting engine's draft is checked against the
-    trainer's (weight_sync.check_draft raises StaleDraftError naming the tensor)."""
+    trainer's (vllm_sync.check_draft raises StaleDraftError naming the tensor)."""
     engines.wake(engine)
     if engines.versions[id(engine)] == version:
         return
     # The fault-tolerance tests' hook for the stale-draft check: one push without the draft.
     stale = os.environ.get(STALE_DRAFT_AT_ENV) == str(version)
-    weight_sync.push_to_vllm(model, engine, weight_version=str(version), draft=not stale)
+    vllm_sync.push_to_vllm(model, engine, weight_version=str(version), draft=not stale)
     engines.versions[id(engine)] = version
     if engine is engines.drafting and engines.check_draft_every and version % engines.check_draft_every == 0:
-        weight_sync.check_draft(model, engine)
+        vllm_sync.check_draft(model, engine)
 
 
 def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, check_every, tune_every, rank):

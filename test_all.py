@@ -44,6 +44,7 @@ import draft_tuner
 import flags
 import forward
 import grpo_loss
+import hf_weights
 import megatron_model
 import mtp_matrix
 import mtp_patch
@@ -54,7 +55,7 @@ import tasks
 import tiny_model
 import train_grpo
 import trainer
-import weight_sync
+import vllm_sync
 from harness import (PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, requires_cuda,
                      run_in_processes, to_host)
 from mtp_matrix import MTP_BEHAVIOURS, MTP_MATRIX_PATH, MTP_RELATIVE_TOLERANCE, MTP_RELEASES, MTP_UPSTREAM_BROKEN
@@ -2142,7 +2143,7 @@ def test_run_log_wandb_offline_run_holds_tensorboards_metrics_at_the_same_steps(
 
 
 # ---------------------------------------------------------------------------------------
-# weight_sync: Megatron <-> Hugging Face <-> vLLM
+# hf_weights and vllm_sync: Megatron <-> Hugging Face <-> vLLM
 # ---------------------------------------------------------------------------------------
 
 # vLLM-CPU sizes its KV cache from what the process already uses; several engines in one
@@ -2210,10 +2211,10 @@ def _round_trip(checkpoint, bad_checkpoint):
     for tensor_parallel in (2, 1):
         cpu_backend.init_model_parallel(tensor_parallel=tensor_parallel)
         model = build_gpt_model(checkpoint)
-        weight_sync.load_hf_into_megatron(model, checkpoint)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
         results[tensor_parallel] = {
-            "exported": {name: tensor.clone() for name, tensor in weight_sync.megatron_to_hf(model)},
-            "mtp_only": [name for name, _ in weight_sync.megatron_to_hf(model, layers="mtp")],
+            "exported": {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)},
+            "mtp_only": [name for name, _ in hf_weights.megatron_to_hf(model, layers="mtp")],
             "loss": _per_token_loss(model, list(range(3, 40))),
             "local_qkv": model.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone(),
         }
@@ -2222,15 +2223,15 @@ def _round_trip(checkpoint, bad_checkpoint):
             _perturb(model, seed=5)
             before = {name: param.detach().clone() for name, param in model.named_parameters()}
             with pytest.raises(ValueError) as error:
-                weight_sync.load_hf_into_megatron(model, bad_checkpoint)
+                hf_weights.load_hf_into_megatron(model, bad_checkpoint)
             results["error"] = str(error.value)
             results["unchanged"] = all(torch.equal(before[name], param) for name, param in model.named_parameters())
 
     # Trainer at tensor parallel 1, rollout engine at 2: whole HF tensors go in, vLLM slices them.
     _perturb(model, seed=1)
     engine = LLM(model=checkpoint, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
-                 weight_transfer_config=weight_sync.in_process_weight_transfer_config(), **WEIGHT_SYNC_ENGINE_OPTIONS)
-    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+                 weight_transfer_config=vllm_sync.in_process_weight_transfer_config(), **WEIGHT_SYNC_ENGINE_OPTIONS)
+    vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     # Greedy: ranks of an external-launcher engine must choose the same tokens (see report).
     greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
     results["tp2_engine_differences"], results["tp2_engine_tokens"] = _logprob_differences(engine, greedy, model)
@@ -2238,7 +2239,7 @@ def _round_trip(checkpoint, bad_checkpoint):
     return to_host(results)
 
 
-def test_weight_sync_round_trip_is_bit_exact_at_tp1_and_tp2_and_tp1_weights_feed_a_tp2_engine(tiny_checkpoint, tmp_path):
+def test_hf_weights_round_trip_is_bit_exact_at_tp1_and_tp2_and_tp1_weights_feed_a_tp2_engine(tiny_checkpoint, tmp_path):
     original = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
     bad = dict(original)
     bad["model.layers.1.mlp.up_proj.weight"] = bad["model.layers.1.mlp.up_proj.weight"][:500]
@@ -2274,41 +2275,41 @@ def test_weight_sync_round_trip_is_bit_exact_at_tp1_and_tp2_and_tp1_weights_feed
     assert ranks[0]["tp2_engine_tokens"] == ranks[1]["tp2_engine_tokens"]
 
 
-def test_weight_sync_megatron_names_and_layouts_map_to_hf():
-    assert weight_sync.hf_names_for("decoder.layers.3.self_attention.linear_qkv.bias") == (
+def test_hf_weights_megatron_names_and_layouts_map_to_hf():
+    assert hf_weights.hf_names_for("decoder.layers.3.self_attention.linear_qkv.bias") == (
         "qkv", ("model.layers.3.self_attn.q_proj.bias", "model.layers.3.self_attn.k_proj.bias",
                 "model.layers.3.self_attn.v_proj.bias"))
     # Transformer Engine specs fold the norms into the following linear layer.
-    assert weight_sync.hf_names_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == (
+    assert hf_weights.hf_names_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == (
         "copy", ("model.layers.0.input_layernorm.weight",))
-    assert weight_sync.hf_names_for("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (
+    assert hf_weights.hf_names_for("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (
         "copy", ("model.layers.0.post_attention_layernorm.weight",))
     # The MTP transformer layer: `transformer_layer` up to megatron-core 0.16, `mtp_model_layer` from 0.17.
     for inner in ("transformer_layer", "mtp_model_layer"):
-        assert weight_sync.hf_names_for(f"mtp.layers.1.{inner}.mlp.linear_fc1.weight") == (
+        assert hf_weights.hf_names_for(f"mtp.layers.1.{inner}.mlp.linear_fc1.weight") == (
             "gate_up", ("model.mtp_layers.1.mlp.gate_proj.weight", "model.mtp_layers.1.mlp.up_proj.weight"))
-    assert weight_sync.hf_names_for("mtp.layers.0.eh_proj.weight") == (
+    assert hf_weights.hf_names_for("mtp.layers.0.eh_proj.weight") == (
         "swap_halves", ("model.mtp_layers.0.input_proj.weight",))
-    assert weight_sync.hf_names_for("mtp.layers.0.final_layernorm.weight") == (
+    assert hf_weights.hf_names_for("mtp.layers.0.final_layernorm.weight") == (
         "copy", ("model.mtp_layers.0.final_layernorm.weight",))
     with pytest.raises(ValueError, match="'decoder.layers.0.self_attention.q_layernorm.weight' has no Hugging Face"):
-        weight_sync.hf_names_for("decoder.layers.0.self_attention.q_layernorm.weight")
+        hf_weights.hf_names_for("decoder.layers.0.self_attention.q_layernorm.weight")
     with pytest.raises(ValueError, match="layers='drafter'"):
-        next(weight_sync.megatron_to_hf(torch.nn.Linear(1, 1), layers="drafter"))
+        next(hf_weights.megatron_to_hf(torch.nn.Linear(1, 1), layers="drafter"))
 
     # eh_proj(cat(embedding, hidden)) == input_proj(cat(hidden, embedding)) with the halves swapped.
     generator = torch.Generator().manual_seed(0)
     eh_proj, embedding, hidden = (torch.randn(8, 16, generator=generator), torch.randn(3, 8, generator=generator),
                                   torch.randn(3, 8, generator=generator))
-    input_proj = weight_sync._swap_halves(eh_proj)
+    input_proj = hf_weights._swap_halves(eh_proj)
     torch.testing.assert_close(torch.cat([embedding, hidden], -1) @ eh_proj.T,
                                torch.cat([hidden, embedding], -1) @ input_proj.T)
     # qkv: 2 query groups of 2 heads (head size 4). Group g's rows are [q_2g, q_2g+1, k_g, v_g].
     q, k, v = torch.arange(16.).reshape(16, 1), 100 + torch.arange(8.).reshape(8, 1), 200 + torch.arange(8.).reshape(8, 1)
-    qkv = weight_sync._interleave_qkv(q, k, v, groups=2)
+    qkv = hf_weights._interleave_qkv(q, k, v, groups=2)
     assert qkv[:, 0].tolist() == (list(range(8)) + list(range(100, 104)) + list(range(200, 204))
                                   + list(range(8, 16)) + list(range(104, 108)) + list(range(204, 208)))
-    for part, expected in zip(weight_sync._split_qkv(qkv, groups=2, heads_per_group=2, head_dim=4), (q, k, v)):
+    for part, expected in zip(hf_weights._split_qkv(qkv, groups=2, heads_per_group=2, head_dim=4), (q, k, v)):
         assert torch.equal(part, expected)
 
 
@@ -2366,57 +2367,57 @@ def _push_into_vllm(checkpoint, saved_dir):
     cpu_backend.init_distributed()
     cpu_backend.init_model_parallel(tensor_parallel=1)
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     _perturb(model, seed=1)
     result = {"reload_warnings": []}
     handler = logging.Handler()
     handler.emit = lambda record: result["reload_warnings"].append(record.getMessage())
-    logging.getLogger(weight_sync.LAYERWISE_RELOAD_LOGGER).addHandler(handler)
+    logging.getLogger(vllm_sync.LAYERWISE_RELOAD_LOGGER).addHandler(handler)
 
     # Public entry points. Trained weights: vLLM's log-probs of its samples vs Megatron's.
-    engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+    engine = LLM(model=checkpoint, weight_transfer_config=vllm_sync.in_process_weight_transfer_config(),
                  **WEIGHT_SYNC_ENGINE_OPTIONS)
     result["original"] = _greedy(engine, SamplingParams)
-    result["push"] = weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["push"] = vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=0, logprobs=0, ignore_eos=True)
     result["logprob_differences"], _ = _logprob_differences(engine, sampled, model)
 
     # Weights with a strong draft: after a second push, the pushed engine, a fresh engine
     # from the saved directory and an engine updated through load_weights agree.
     _draft_friendly(model)
-    result["second_push"] = weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES,
+    result["second_push"] = vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES,
                                                      weight_version="step-2")
     result["weight_version"] = engine.get_weight_version()
     result["pushed"] = _greedy(engine, SamplingParams)
-    weight_sync.save_hf_checkpoint(model, checkpoint, saved_dir)
+    hf_weights.save_hf_checkpoint(model, checkpoint, saved_dir)
     result["saved_files"] = sorted(os.listdir(saved_dir))
     result["fresh"] = _greedy(LLM(model=saved_dir, **WEIGHT_SYNC_ENGINE_OPTIONS), SamplingParams)
     fallback = LLM(model=checkpoint, **WEIGHT_SYNC_ENGINE_OPTIONS)
-    result["fallback_push"] = weight_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["fallback_push"] = vllm_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     result["fallback"] = _greedy(fallback, SamplingParams)
 
     # Regression guard: eh_proj delivered without swapping its halves (the trap) leaves the
     # target untouched but starves the draft; the accepted-token count sees it.
     eh_proj = model.mtp.layers[0].eh_proj.weight
     with torch.no_grad():
-        eh_proj.copy_(weight_sync._swap_halves(eh_proj))
-    weight_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+        eh_proj.copy_(hf_weights._swap_halves(eh_proj))
+    vllm_sync.push_to_vllm(model, fallback, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     result["unswapped_eh_proj"] = _greedy(fallback, SamplingParams)
 
     # vLLM's prefix cache (on in an engine that does not draft) must not outlive a push: a
     # long prompt after it, its keys and values computed anew, equals one after a reset.
-    plain = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+    plain = LLM(model=checkpoint, weight_transfer_config=vllm_sync.in_process_weight_transfer_config(),
                 **{name: value for name, value in WEIGHT_SYNC_ENGINE_OPTIONS.items() if name != "speculative_config"})
     result["long"] = {"first": _long_prompt(plain, SamplingParams), "again": _long_prompt(plain, SamplingParams)}
     _perturb(model, seed=2)
-    weight_sync.push_to_vllm(model, plain, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    vllm_sync.push_to_vllm(model, plain, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     result["long"]["pushed"] = _long_prompt(plain, SamplingParams)
     plain.reset_prefix_cache()
     result["long"]["reset"] = _long_prompt(plain, SamplingParams)
     return to_host(result)
 
 
-def test_weight_sync_push_into_vllm_matches_a_fresh_engine_from_the_saved_weights(tiny_checkpoint, tmp_path):
+def test_vllm_sync_push_into_vllm_matches_a_fresh_engine_from_the_saved_weights(tiny_checkpoint, tmp_path):
     result, = run_in_processes(_push_into_vllm, args=(tiny_checkpoint, str(tmp_path / "saved")), env=VLLM_ENV)
     for push in (result["push"], result["second_push"]):
         assert push["entry_points"] == "public"
@@ -2452,12 +2453,12 @@ def test_weight_sync_push_into_vllm_matches_a_fresh_engine_from_the_saved_weight
     assert result["unswapped_eh_proj"]["accepted"] < 0.2 * result["unswapped_eh_proj"]["draft_tokens"]
     # vLLM's warnings for layers a push never sends are filtered; any other layer's are not.
     assert not [message for message in result["reload_warnings"] if "Failed to load weights" in message]
-    unexpected = logging.LogRecord(weight_sync.LAYERWISE_RELOAD_LOGGER, logging.WARNING, __file__, 0,
+    unexpected = logging.LogRecord(vllm_sync.LAYERWISE_RELOAD_LOGGER, logging.WARNING, __file__, 0,
                                    "%s: Failed to load weights", ("QKVParallelLinear",), None)
-    expected = logging.LogRecord(weight_sync.LAYERWISE_RELOAD_LOGGER, logging.WARNING, __file__, 0,
+    expected = logging.LogRecord(vllm_sync.LAYERWISE_RELOAD_LOGGER, logging.WARNING, __file__, 0,
                                  "%s: Failed to load weights", ("RotaryEmbedding",), None)
-    assert weight_sync._UnsentLayerWarnings().filter(unexpected)
-    assert not weight_sync._UnsentLayerWarnings().filter(expected)
+    assert vllm_sync._UnsentLayerWarnings().filter(unexpected)
+    assert not vllm_sync._UnsentLayerWarnings().filter(expected)
 
 
 DRAFTED_SAMPLING_TEMPERATURE = 0.7
@@ -2472,7 +2473,7 @@ def _draft_friendly_megatron_model(checkpoint):
     cpu_backend.init_model_parallel(tensor_parallel=1)
     mtp_patch.patch_megatron_mtp()
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     _draft_friendly(model)
     return model
 
@@ -2482,9 +2483,9 @@ def _drafted_sampling(checkpoint):
     from vllm import LLM, SamplingParams
 
     model = _draft_friendly_megatron_model(checkpoint)
-    engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+    engine = LLM(model=checkpoint, weight_transfer_config=vllm_sync.in_process_weight_transfer_config(),
                  logprobs_mode="processed_logprobs", **WEIGHT_SYNC_ENGINE_OPTIONS)
-    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     params = SamplingParams(n=DRAFTED_SAMPLING_COMPLETIONS, max_tokens=24, temperature=DRAFTED_SAMPLING_TEMPERATURE,
                             seed=0, logprobs=0, ignore_eos=True)
     result = {}
@@ -2511,16 +2512,16 @@ def _draft_controls(checkpoint):
     spec_config.fix_cpu_draft_sampling()
     options = dict(WEIGHT_SYNC_ENGINE_OPTIONS, speculative_config=spec_config.dynamic_speculative_config(
         spec_config.build_mtp_speculative_config("mtp", DYNAMIC_DRAFT_TOKENS)))
-    engine = LLM(model=checkpoint, weight_transfer_config=weight_sync.in_process_weight_transfer_config(),
+    engine = LLM(model=checkpoint, weight_transfer_config=vllm_sync.in_process_weight_transfer_config(),
                  per_request_spec_decode_metrics="summary", **options)
     meter = spec_config.SpecDecodeMeter(engine)
     result = {"checked_before_push": None}
     try:
-        weight_sync.check_draft(model, engine)
-    except weight_sync.StaleDraftError as error:
+        vllm_sync.check_draft(model, engine)
+    except vllm_sync.StaleDraftError as error:
         result["checked_before_push"] = str(error)
-    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
-    result["tensors_checked"] = weight_sync.check_draft(model, engine)
+    vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["tensors_checked"] = vllm_sync.check_draft(model, engine)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     result["by_k"] = {}
     for draft_tokens in range(DYNAMIC_DRAFT_TOKENS + 1):
@@ -2537,17 +2538,17 @@ def _draft_controls(checkpoint):
     with torch.no_grad():
         model.mtp.layers[0].eh_proj.weight.mul_(1.01)
         model.mtp.layers[0].transformer_layer.mlp.linear_fc2.weight.add_(1e-3)
-    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES, draft=False)
-    with pytest.raises(weight_sync.StaleDraftError) as error:
-        weight_sync.check_draft(model, engine)
+    vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES, draft=False)
+    with pytest.raises(vllm_sync.StaleDraftError) as error:
+        vllm_sync.check_draft(model, engine)
     result["stale"] = str(error.value)
-    weight_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
-    result["tensors_checked_again"] = weight_sync.check_draft(model, engine)
+    vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    result["tensors_checked_again"] = vllm_sync.check_draft(model, engine)
     del engine
     return result
 
 
-def test_weight_sync_names_a_stale_draft_and_draft_tokens_switch_per_generate(tiny_checkpoint):
+def test_vllm_sync_names_a_stale_draft_and_draft_tokens_switch_per_generate(tiny_checkpoint):
     result, = run_in_processes(_draft_controls, args=(tiny_checkpoint,), env=VLLM_ENV)
     print(result["by_k"], result["stale"])
     # k = 0 drafts nothing; k >= 1 drafts exactly k per verify step, accepted at every depth
@@ -2792,7 +2793,7 @@ def _shared_prefix_model(checkpoint):
     cpu_backend.init_model_parallel(seed=0)
     mtp_patch.patch_megatron_mtp()
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     return model
 
 
@@ -2911,8 +2912,8 @@ def _moe_forward_backward(checkpoint, tp, cp, ep, sum_partial_grads=True):
     mtp_patch.patch_megatron_mtp()
     cpu_backend.init_model_parallel(tensor_parallel=tp, context_parallel=cp, expert_parallel=ep, seed=0)
     model = build_gpt_model(checkpoint, tensor_parallel=tp, context_parallel=cp, expert_parallel=ep)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
-    round_trip = dict(weight_sync.megatron_to_hf(model))
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    round_trip = dict(hf_weights.megatron_to_hf(model))
     expected = load_file(os.path.join(checkpoint, "model.safetensors"))
     round_trip_exact = set(round_trip) == set(expected) and all(
         torch.equal(round_trip[name].cpu(), tensor) for name, tensor in expected.items())
@@ -2930,11 +2931,11 @@ def _moe_forward_backward(checkpoint, tp, cp, ep, sum_partial_grads=True):
     copies = parallel_state.get_data_parallel_world_size()
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        group = (parallel_state.get_expert_data_parallel_group() if weight_sync.ROUTED_EXPERT.search(name)
+        group = (parallel_state.get_expert_data_parallel_group() if hf_weights.ROUTED_EXPERT.search(name)
                  else parallel_state.get_data_parallel_group(with_context_parallel=True))
         torch.distributed.all_reduce(grad, group=group)
         param.data = grad / copies
-    grads = {name: tensor.clone() for name, tensor in weight_sync.megatron_to_hf(model)
+    grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
              if not name.endswith("e_score_correction_bias")}
     cp_group = parallel_state.get_context_parallel_group()
     mtp_loss = out.mtp_loss.detach().clone()
@@ -3020,7 +3021,7 @@ def _moe_push_into_vllm(checkpoint):
     cpu_backend.init_distributed()
     cpu_backend.init_model_parallel()
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     engine = rollout.build_engine(checkpoint, rollout.RolloutConfig(max_model_len=256), 0, draft_tokens=1)
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=0, logprobs=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(3)
@@ -3033,28 +3034,28 @@ def _moe_push_into_vllm(checkpoint):
                     buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.05)
 
     train()
-    result = {"push": weight_sync.push_to_vllm(model, engine)}
+    result = {"push": vllm_sync.push_to_vllm(model, engine)}
     result["differences"], _ = _logprob_differences(engine, sampled, model)
-    result["checked"] = weight_sync.check_draft(model, engine)
+    result["checked"] = vllm_sync.check_draft(model, engine)
     train()
-    weight_sync.push_to_vllm(model, engine, draft=False)
-    with pytest.raises(weight_sync.StaleDraftError) as stale:
-        weight_sync.check_draft(model, engine)
+    vllm_sync.push_to_vllm(model, engine, draft=False)
+    with pytest.raises(vllm_sync.StaleDraftError) as stale:
+        vllm_sync.check_draft(model, engine)
     result["stale"] = str(stale.value)
     # The trap: vLLM-CPU leaves updated experts unpacked; without the repack the push "works".
     train()
-    repack = weight_sync._prepack_cpu_moe_experts
-    weight_sync._prepack_cpu_moe_experts = lambda vllm_model: None
+    repack = vllm_sync._prepack_cpu_moe_experts
+    vllm_sync._prepack_cpu_moe_experts = lambda vllm_model: None
     try:
-        weight_sync.push_to_vllm(model, engine)
+        vllm_sync.push_to_vllm(model, engine)
     finally:
-        weight_sync._prepack_cpu_moe_experts = repack
+        vllm_sync._prepack_cpu_moe_experts = repack
     result["unpacked_differences"], _ = _logprob_differences(engine, sampled, model)
     return to_host(result)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_weight_sync_moe_push_into_vllm_gives_megatrons_logprobs(moe_checkpoints, family):
+def test_vllm_sync_moe_push_into_vllm_gives_megatrons_logprobs(moe_checkpoints, family):
     result, = run_in_processes(_moe_push_into_vllm, args=(moe_checkpoints[family],), env=VLLM_ENV)
     stored = load_file(os.path.join(moe_checkpoints[family], "model.safetensors"))
     # Everything but the MTP layer's copies of embedding and output layer (vLLM shares the target's).
@@ -3082,10 +3083,10 @@ def _moe_routing_replay(checkpoint):
     cpu_backend.init_model_parallel()
     mtp_patch.patch_megatron_mtp()
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     _perturb(model, seed=5)
     engine = rollout.build_engine(checkpoint, rollout.RolloutConfig(max_model_len=256), 0, draft_tokens=2)
-    weight_sync.push_to_vllm(model, engine)
+    vllm_sync.push_to_vllm(model, engine)
     recorder = rollout.RoutingRecorder(engine)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     examples = [{"prompt": f"repeat:{pair}"} for pair in ("ab", "cd", "ea")]
@@ -3131,7 +3132,7 @@ def test_rollout_records_vllm_moe_routing_and_megatron_replays_it(moe_checkpoint
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_weight_sync_moe_round_trip_is_bit_exact_at_tp_2_and_ep_2(moe_checkpoints, family):
+def test_hf_weights_moe_round_trip_is_bit_exact_at_tp_2_and_ep_2(moe_checkpoints, family):
     ranks = _moe_layout_results(moe_checkpoints[family])
     for results in ranks:
         assert all(results[layout]["round_trip_exact"] for layout in ((1, 1, 1), *MOE_LAYOUTS))
@@ -3374,7 +3375,7 @@ def test_trainer_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint)
     assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
 
 
-def test_trainer_bf16_step_learns_and_saves_hf_weights(tiny_checkpoint, tmp_path):
+def test_trainer_bf16_step_learns_and_its_hf_save_reloads_bit_exact(tiny_checkpoint, tmp_path):
     """bf16 weights, fp32 master copies in megatron's optimizer; on the GPU when there is one."""
     result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
     print({key: value for key, value in result.items() if key not in ("totals", "weights")},
@@ -3635,7 +3636,7 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
 
 
 def _write_draft_friendly_checkpoint(checkpoint, out_dir):
-    return weight_sync.save_hf_checkpoint(_draft_friendly_megatron_model(checkpoint), checkpoint, out_dir)
+    return hf_weights.save_hf_checkpoint(_draft_friendly_megatron_model(checkpoint), checkpoint, out_dir)
 
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
@@ -3903,7 +3904,7 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     args = _settings(["--prompts-per-step", str(8 // dp_size), "--micro-batches", str(2 // dp_size)])
     model = build_gpt_model(checkpoint, params_dtype=getattr(torch, dtype_name))
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
     initial = torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])
     samples = _synthetic_samples(_settings(["--prompts-per-step", "8"]))
@@ -3919,9 +3920,9 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
               "weights": torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])}
     result["weights_moved"] = (result["weights"] - initial).abs().max().item()
     if saved_dir is not None:
-        weight_sync.save_hf_checkpoint(model, checkpoint, saved_dir)
+        hf_weights.save_hf_checkpoint(model, checkpoint, saved_dir)
         reloaded = build_gpt_model(saved_dir, params_dtype=getattr(torch, dtype_name))
-        weight_sync.load_hf_into_megatron(reloaded, saved_dir)
+        hf_weights.load_hf_into_megatron(reloaded, saved_dir)
         result["reload_identical"] = all(torch.equal(a, b) for a, b in
                                          zip(model.state_dict().values(), reloaded.state_dict().values())
                                          if torch.is_tensor(a))
@@ -3939,7 +3940,7 @@ def _weights_after_train(checkpoint, mini_batches_and_clips):
     cpu_backend.init_model_parallel(seed=0)
     mtp_patch.patch_megatron_mtp()
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     start = {name: tensor.clone() for name, tensor in model.state_dict().items() if torch.is_tensor(tensor)}
     samples = _synthetic_samples(_settings(["--prompts-per-step", "4"]))
     for sample, logprobs in zip(samples, _response_logprobs(model, samples)):
@@ -3971,7 +3972,7 @@ def _adam_fused_against_the_loop(checkpoint, expert_parallel):
     weights, fused_flags = [], []
     for fused in (True, False):
         model = build_gpt_model(checkpoint, mtp=False, expert_parallel=expert_parallel)
-        weight_sync.load_hf_into_megatron(model, checkpoint)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
         ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False)
         groups = [group for part in getattr(optimizer, "chained_optimizers", [optimizer])
                   for group in part.optimizer.param_groups]
@@ -4046,7 +4047,7 @@ def _non_finite_train_step(checkpoint):
     mtp_patch.patch_megatron_mtp()
     args = _settings(["--prompts-per-step", "2"])
     model = build_gpt_model(checkpoint)
-    weight_sync.load_hf_into_megatron(model, checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
     policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
     samples = _synthetic_samples(args)
     for sample in samples:

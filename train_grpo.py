@@ -7,7 +7,7 @@ in `main`'s loop:
 
     prompts -> (tune: how many tokens to draft) -> vLLM (rollout, MTP drafts) -> rewards
             -> GRPO advantages -> cp_thd packs -> forward (Megatron) -> PPO loss (+ MTP loss)
-            -> megatron-core Adam -> weight_sync -> vLLM (the draft checked against Megatron's)
+            -> megatron-core Adam -> vllm_sync -> vLLM (the draft checked against Megatron's)
 
     torchrun --nproc_per_node 2 train_grpo.py                       # CPU: tiny model, repeat task
     torchrun --nproc_per_node 2 train_grpo.py --task count          # CPU: 16-layer model, long answers
@@ -17,8 +17,8 @@ Where each concern lives: flags.py (the command line, checked and resolved, and 
 module's config from it), tasks.py (built-in tasks, data files, rewards), rollout.py (vLLM
 engines), draft_tuner.py (how many tokens to draft), grpo_loss.py (advantages, aggregation,
 PPO loss), trainer.py (the Megatron train step), forward.py (Megatron log-probs),
-weight_sync.py (Megatron -> vLLM), checkpoint.py (save, resume, signals, the --out lock),
-run_log.py (console, metrics.jsonl, TensorBoard, plots).
+vllm_sync.py (Megatron -> vLLM), hf_weights.py (Megatron <-> HF), checkpoint.py (save, resume,
+signals, the --out lock), run_log.py (console, metrics.jsonl, TensorBoard, plots).
 Metrics: OUT/metrics.jsonl, TensorBoard under OUT/tensorboard, curves.png and
 acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in OUT/final.
 """
@@ -45,12 +45,12 @@ import checkpoint  # noqa: E402
 import draft_tuner  # noqa: E402
 import flags  # noqa: E402
 import grpo_loss  # noqa: E402
+import hf_weights  # noqa: E402
 import mtp_patch  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 import tiny_model  # noqa: E402
 import trainer  # noqa: E402
-import weight_sync  # noqa: E402
 from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel  # noqa: E402
 from flags import usage_error  # noqa: E402
 
@@ -418,7 +418,7 @@ def finish(run, records, loggers, seconds):
     """The trained policy as a HF checkpoint in OUT/final, the plots, the closing summary;
     `loggers` (TensorBoard's writer, the W&B run; each None when off) are closed."""
     out = run.settings.out
-    weight_sync.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
+    hf_weights.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
     writer, wandb_run = loggers
     if writer is not None:
         writer.close()

@@ -16,7 +16,7 @@ every rank before the optimizer touches the weights, so the last checkpoint stay
 
 Every setting arrives in one `TrainConfig`, the loss's in its `grpo_loss.LossConfig`.
 Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
-megatron_model and weight_sync.
+megatron_model and hf_weights.
 """
 
 import contextlib
@@ -32,7 +32,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 import grpo_loss
-import weight_sync
+import hf_weights
 from cpu_backend import cuda_on_cpu
 from forward import forward_logprobs
 from megatron_model import build_gpt_model
@@ -119,7 +119,7 @@ def build_policy(model_dir, config):
         model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=config.tp, context_parallel=config.cp,
                                 expert_parallel=config.ep,
                                 params_dtype=torch.bfloat16 if config.bf16 else torch.float32)
-        weight_sync.load_hf_into_megatron(model, model_dir)
+        hf_weights.load_hf_into_megatron(model, model_dir)
         return model
 
     model = load(mtp=config.mtp_train)
