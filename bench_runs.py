@@ -1,4 +1,4 @@
-"""End-to-end rows of bench.py: whole train_grpo.py runs and the engines they train.
+"""End-to-end rows of bench.py: whole train_grpo.py and TRL runs, vLLM engines on a trained policy.
 
     .venv/bin/python bench.py --rows spec_rollout draft_training trl_step
 
@@ -7,6 +7,9 @@ launches `train_grpo.py` under torchrun (its checkpoints and metrics cached unde
 or Hugging Face TRL's GRPOTrainer in a process of its own (`bench.py --trl-worker OUT`),
 then reports ratios from their timings and draws the figures in docs/. `spec_rollout`
 measures vLLM engines on a checkpoint such a run trained, in a spawned process.
+
+Imports torch and the project's draft_tuner, rollout, spec_config, tasks and harness;
+vLLM, matplotlib, transformers, datasets and TRL inside the rows that need them.
 """
 
 import json
@@ -27,6 +30,17 @@ from harness import REPO_DIR, VLLM_ENV, run_in_processes
 FIGURES_DIR = os.path.join(REPO_DIR, "docs")
 
 
+def train_grpo_run(out, flags):
+    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
+    returns its metrics.jsonl records."""
+    if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
+        print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+                        "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 # ---------------------------------------------------------------------------------------
 # spec_rollout: MTP drafting vs none, on a checkpoint train_grpo.py trained
 # ---------------------------------------------------------------------------------------
@@ -45,17 +59,6 @@ SPEC_SEED_STRIDE = 1_000_003
 SPEC_KV_CACHE_BYTES = 2**28
 SPEC_HEATMAP = os.path.join(FIGURES_DIR, "spec_rollout_cpu.png")
 SPEC_PROCESS_TIMEOUT_SECONDS = 3600
-
-
-def train_grpo_run(out, flags):
-    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
-    returns its metrics.jsonl records."""
-    if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
-        print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
-                        "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def spec_checkpoint(checkpoint):
