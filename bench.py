@@ -10,13 +10,15 @@ initialise torch.distributed, megatron-core's parallel state or a vLLM engine me
 processes spawned by `run_in_processes` (ours and the baseline in the same one). One
 intra-op thread by default: on a shared machine, elementwise ops split over every core
 wait on whichever core a neighbour holds, and the table would measure the neighbours.
+
+This module holds the CLI and the micro rows; the end-to-end rows (`spec_rollout`,
+`draft_training`, `trl_step`: whole train_grpo.py or TRL runs and their figures) are in
+bench_runs.py, listed in ROWS alike.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,23 +26,21 @@ import time
 import torch
 import torch.distributed as dist
 
+import bench_runs
 import cp_thd
 import cpu_backend
-import draft_tuner
 import forward
 import hf_weights
 import mtp_patch
-import spec_config
 import tasks
 import tiny_model
 import trainer
 import vllm_sync
 from megatron_model import build_gpt_model
-from harness import REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
+from harness import VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
 
 COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
 DEFAULT_THREADS = 1
-FIGURES_DIR = os.path.join(REPO_DIR, "docs")
 
 
 # ---------------------------------------------------------------------------------------
@@ -336,35 +336,20 @@ def thd_step(model, input_ids, seqlens, mtp_train):
     return out
 
 
-def bshd_step(model, input_ids, seqlens):
+def bshd_step(model, input_ids, seqlens, mtp_train):
     """Right-padded [B, S] batch through megatron's local attention (causal); returns
-    (logprobs, entropy) of the real tokens, concatenated like the packed input."""
+    (logprobs, entropy) of the real tokens, concatenated like the packed input. With
+    `mtp_train` labels and loss mask go to the model, so megatron adds the MTP loss to the
+    graph; log-probs and entropy then come from the main logits its output layer made."""
     padded, positions, real, mask = pad_batch(input_ids, seqlens)
-    log_probs = torch.log_softmax(model(padded, positions, None).float(), dim=-1)
-    logprobs, entropy = padded_logprobs(log_probs, padded, mask)
-    surrogate_loss(logprobs, entropy, mask).backward()
-    return logprobs[real].detach(), entropy[real].detach()
-
-
-def bshd_mtp_step(model, input_ids, seqlens):
-    """`bshd_step` with MTP training: labels and loss mask go to the model, so megatron adds
-    the MTP loss to the graph; log-probs and entropy come from the captured main logits."""
-    padded, positions, real, mask = pad_batch(input_ids, seqlens)
-    labels = torch.cat([padded[:, 1:], torch.zeros(len(padded), 1, dtype=torch.long)], dim=1)
-    captured = []
-
-    def keep_logits(module, args, output):
-        # The output layer runs for each MTP layer, then for the main model (the last call);
-        # megatron's cross entropy then works on its input in place: it gets a copy.
-        captured.append(output[0])
-        return output[0].clone(), output[1]
-
-    hook = model.output_layer.register_forward_hook(keep_logits)
-    try:
-        model(padded, positions, None, labels=labels, loss_mask=mask)
-    finally:
-        hook.remove()
-    log_probs = torch.log_softmax(captured[-1].transpose(0, 1).float(), dim=-1)  # [s, b, v] -> [b, s, v]
+    if mtp_train:
+        labels = torch.cat([padded[:, 1:], torch.zeros(len(padded), 1, dtype=torch.long)], dim=1)
+        logits = forward.output_layer_logits(model, clone=True, input_ids=padded, position_ids=positions,
+                                             attention_mask=None, labels=labels, loss_mask=mask)
+        logits = logits.transpose(0, 1)  # [s, b, v] -> [b, s, v]
+    else:
+        logits = model(padded, positions, None)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
     logprobs, entropy = padded_logprobs(log_probs, padded, mask)
     surrogate_loss(logprobs, entropy, mask).backward()
     return logprobs[real].detach(), entropy[real].detach()
@@ -406,8 +391,8 @@ def measure_forward_backward(checkpoint, threads, batch_sizes, with_bshd):
         steps = {"thd_mtp": lambda: thd_step(models["thd_mtp"], input_ids, seqlens, mtp_train=True),
                  "thd": lambda: thd_step(models["thd"], input_ids, seqlens, mtp_train=False)}
         if with_bshd:
-            steps["bshd"] = lambda: bshd_step(models["bshd"], input_ids, seqlens)
-            steps["bshd_mtp"] = lambda: bshd_mtp_step(models["bshd_mtp"], input_ids, seqlens)
+            steps["bshd"] = lambda: bshd_step(models["bshd"], input_ids, seqlens, mtp_train=False)
+            steps["bshd_mtp"] = lambda: bshd_step(models["bshd_mtp"], input_ids, seqlens, mtp_train=True)
         results = interleaved_step_ms({name: (models[name], step) for name, step in steps.items()})
         if with_bshd:
             # The first steps ran before any optimiser could move the weights: same weights, same math.
@@ -623,400 +608,6 @@ def row_optimizer_step():
     }
 
 
-# ---------------------------------------------------------------------------------------
-# spec_rollout: MTP drafting vs none, on a checkpoint train_grpo.py trained
-# ---------------------------------------------------------------------------------------
-
-# `torchrun --nproc_per_node 2 train_grpo.py --task count --steps 80` writes this (cached:
-# trained once when missing); its policy counts and its MTP head drafts it.
-SPEC_TRAIN_FLAGS = ("--task", "count", "--steps", "80")
-SPEC_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-count")
-SPEC_CONCURRENCIES = (1, 8, 64, 256)
-SPEC_MAX_DRAFT_TOKENS = 3
-SPEC_NEW_TOKENS = 64
-SPEC_TEMPERATURE = 1.0
-SPEC_REPEATS = 9
-SPEC_SEED_STRIDE = 1_000_003
-# Room for 256 sequences of 70 tokens in each of the five engines' KV caches.
-SPEC_KV_CACHE_BYTES = 2**28
-SPEC_HEATMAP = os.path.join(FIGURES_DIR, "spec_rollout_cpu.png")
-SPEC_PROCESS_TIMEOUT_SECONDS = 3600
-
-
-def train_grpo_run(out, flags):
-    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
-    returns its metrics.jsonl records."""
-    if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
-        print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
-                        "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def spec_checkpoint(checkpoint):
-    """`checkpoint`, or the cached final policy of SPEC_TRAIN_FLAGS' run (trained when missing)."""
-    if checkpoint is not None:
-        return checkpoint
-    train_grpo_run(SPEC_RUN_DIR, SPEC_TRAIN_FLAGS)
-    return os.path.join(SPEC_RUN_DIR, "final")
-
-
-def spec_engines(checkpoint):
-    """(fixed: {k: engine drafting k, 0: none}, the dynamic drafting engine auto switches,
-    meters by k, the dynamic engine's meter)."""
-    from vllm import LLM
-    options = dict(model=checkpoint, dtype="float32", enforce_eager=True, seed=0, disable_log_stats=False,
-                   max_model_len=1024, kv_cache_memory_bytes=SPEC_KV_CACHE_BYTES)
-
-    def drafting(config):
-        return LLM(**options, speculative_config=config, per_request_spec_decode_metrics="summary")
-
-    fixed = {0: LLM(**options)}
-    for draft_tokens in range(1, SPEC_MAX_DRAFT_TOKENS + 1):
-        fixed[draft_tokens] = drafting(spec_config.build_mtp_speculative_config("mtp", draft_tokens))
-    dynamic = drafting(spec_config.dynamic_speculative_config(
-        spec_config.build_mtp_speculative_config("mtp", SPEC_MAX_DRAFT_TOKENS)))
-    meters = {k: spec_config.SpecDecodeMeter(engine) for k, engine in fixed.items() if k}
-    return fixed, dynamic, meters, spec_config.SpecDecodeMeter(dynamic)
-
-
-def seeded_params(count, rollout):
-    """One seed per (rollout, sequence): every engine's rollout number r draws the same
-    random numbers, so two engines at the same k sample the same tokens and accept the
-    same drafts. A sampled digit off the count makes the drafts after it miss: at 8
-    sequences one such rollout in four ran 25-50% slower, unseeded."""
-    from vllm import SamplingParams
-    return [SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=SPEC_NEW_TOKENS, ignore_eos=True,
-                           seed=rollout * SPEC_SEED_STRIDE + sequence) for sequence in range(count)]
-
-
-def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
-    """auto as train_grpo runs it (draft_tuner's plan and after_rollout): an acceptance check
-    at the deepest k, then rollouts at the k the tuner names until it settles; returns
-    (the k it settles on, the k tried in order, the tuner)."""
-    from vllm import SamplingParams
-    check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=draft_tuner.ACCEPTANCE_CHECK_TOKENS,
-                                  ignore_eos=True)
-
-    def check():
-        spec_config.set_draft_tokens(dynamic, SPEC_MAX_DRAFT_TOKENS)
-        return dynamic_meter.read(dynamic.generate(prompts, check_params, use_tqdm=False))
-
-    tuner = draft_tuner.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
-    # Neither a second check nor a second round of tries falls in the rollouts measured here.
-    schedule = dict(check_every=10**9, tune_every=10**9)
-    draft_tokens, _ = tuner.plan(1, check, drafting=False, **schedule)
-    tried = []
-    while tuner.exploring():
-        tried.append(draft_tokens)
-        if draft_tokens:
-            spec_config.set_draft_tokens(dynamic, draft_tokens)
-        engine = dynamic if draft_tokens else fixed[0]
-        speed, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
-        tuner.after_rollout(draft_tokens, speed, dynamic_meter.read(outputs) if draft_tokens else None)
-        draft_tokens, _ = tuner.plan(1 + len(tried), check, drafting=bool(draft_tokens), **schedule)
-    return draft_tokens, tried, tuner
-
-
-def measure_spec_rollout(checkpoint, threads):
-    """Runs in a spawned process: per concurrency B, tokens/s of the same rollout (the
-    count task's training prompts, temperature 1, SPEC_NEW_TOKENS tokens, no EOS) with
-    k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (a plain and a
-    dynamic drafting engine, k chosen by `auto_draft_tokens`), each the median of
-    SPEC_REPEATS interleaved runs; the k = 3 engine's acceptance per depth; auto's tries,
-    choice and seconds to choose."""
-    from transformers import AutoTokenizer
-    torch.set_num_threads(threads)
-    spec_config.fix_cpu_draft_sampling()
-    fixed, dynamic, meters, dynamic_meter = spec_engines(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    training_prompts = tasks.TASKS["count"]["train"]
-    results, started = {}, time.perf_counter()
-    for concurrency in SPEC_CONCURRENCIES:
-        prompts = [{"prompt_token_ids": tokenizer.encode(f"count:{training_prompts[i % len(training_prompts)]}")}
-                   for i in range(concurrency)]
-        # As in training, the plain engine has rolled out at this concurrency before (its
-        # first rollout is slower).
-        rollout_tokens_per_second(fixed[0], prompts, seeded_params(concurrency, 0))
-        start = time.perf_counter()
-        auto, tried, tuner = auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts)
-        tune_seconds = time.perf_counter() - start
-        if auto:
-            spec_config.set_draft_tokens(dynamic, auto)
-        runs = dict(fixed, auto=dynamic if auto else fixed[0])
-        speeds = {name: [] for name in runs}
-        for repeat in range(SPEC_REPEATS + 1):  # the first round warms up
-            for name, engine in runs.items():
-                speed, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(concurrency, repeat))
-                counts = meters[name].read(outputs) if name in meters else None
-                if repeat:
-                    speeds[name].append(speed)
-                if repeat and name == SPEC_MAX_DRAFT_TOKENS:
-                    by_depth = draft_tuner.acceptance_by_depth(counts)
-        results[concurrency] = {"tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
-                                "acceptance_by_depth": by_depth, "auto": auto,
-                                "auto_tried": tried, "auto_realized": tuner.realized_speeds(),
-                                "tune_s": tune_seconds}
-        print(f"spec_rollout: {concurrency} seqs measured, {time.perf_counter() - started:.0f} s so far", file=sys.stderr,
-              flush=True)
-    return results
-
-
-def rollout_tokens_per_second(engine, prompts, params):
-    """(new tokens per second of one rollout of `prompts`, its RequestOutputs)."""
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start), outputs
-
-
-def plot_spec_heatmap(results, path):
-    """Tokens/s relative to no drafting: a row per k (and auto), a column per concurrency."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(range(SPEC_MAX_DRAFT_TOKENS + 1)) + ["auto"]
-    ratios = [[results[b]["tokens_per_s"][name] / results[b]["tokens_per_s"][0] for b in SPEC_CONCURRENCIES]
-              for name in names]
-    figure, axis = plt.subplots(figsize=(6, 3.6))
-    image = axis.imshow(ratios, cmap="RdYlGn", vmin=0.5, vmax=2.5, aspect="auto")
-    for row, values in enumerate(ratios):
-        for column, value in enumerate(values):
-            label = f"{value:.2f}x" + (f"\nk={results[SPEC_CONCURRENCIES[column]]['auto']}" if names[row] == "auto" else "")
-            axis.text(column, row, label, ha="center", va="center", fontsize=8)
-    axis.set_xticks(range(len(SPEC_CONCURRENCIES)), [str(b) for b in SPEC_CONCURRENCIES])
-    axis.set_yticks(range(len(names)), [f"k={name}" if name != "auto" else "auto" for name in names])
-    axis.set_xlabel("concurrent sequences")
-    axis.set_title("rollout tokens/s vs no drafting (MTP draft, 16-layer tiny MiMo, CPU)", fontsize=9)
-    figure.colorbar(image)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-
-
-def row_spec_rollout(checkpoint=None):
-    checkpoint = spec_checkpoint(checkpoint)
-    results = run_in_processes(measure_spec_rollout, args=(checkpoint, torch.get_num_threads()), env=VLLM_ENV,
-                               timeout=SPEC_PROCESS_TIMEOUT_SECONDS)[0]
-    plot_spec_heatmap(results, SPEC_HEATMAP)
-    rows = []
-    for concurrency, result in results.items():
-        speeds = result["tokens_per_s"]
-        best = max(range(1, SPEC_MAX_DRAFT_TOKENS + 1), key=lambda k: speeds[k])
-        best_fixed = max(range(SPEC_MAX_DRAFT_TOKENS + 1), key=lambda k: speeds[k])
-        rows.append({
-            "row": f"spec_rollout {concurrency} seqs", "ours_ms": None, "baseline_ms": None,
-            "speedup": speeds[best] / speeds[0],
-            "notes": ("tokens/s k=0..3: " + " / ".join(f"{speeds[k]:.0f}" for k in range(SPEC_MAX_DRAFT_TOKENS + 1))
-                      + f"; best k={best} {speeds[best] / speeds[0]:.2f}x no drafting; auto: "
-                      + f"tried k={','.join(map(str, result['auto_tried'])) or '-'} (fastest "
-                      + ("/".join("-" if speed is None else f"{speed:.2f}" for speed in result["auto_realized"])
-                         if result["auto_realized"] else "-")
-                      + f"x), chose k={result['auto']} in {result['tune_s']:.1f} s: "
-                      f"{speeds['auto']:.0f} tok/s, {speeds['auto'] / speeds[best_fixed]:.2f}x the best fixed k, "
-                      f"{speeds['auto'] / speeds[0]:.2f}x no drafting; acceptance by depth (k=3) "
-                      + "/".join(f"{a:.2f}" for a in result["acceptance_by_depth"]))})
-    rows.append({"row": "spec_rollout heat map", "ours_ms": None, "baseline_ms": None, "speedup": None,
-                 "notes": f"{SPEC_HEATMAP} (checkpoint {checkpoint})"})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------
-# draft_training: the MTP head trained online vs frozen vs no drafting, end to end
-# ---------------------------------------------------------------------------------------
-
-# The initial policy counts in twos, half learnt (45 steps: entropy 1.9 nats per token), its
-# MTP head trained alongside: a head that drafts the initial policy as well as its entropy
-# allows. RL then teaches counting in ones, a move away from that head like the one an RL
-# run makes from its SFT model (from a fully learnt two-step policy, entropy 0.1, RL did
-# not find the one-step rule in 100 steps). The three runs start from the same checkpoint
-# and seed, at a concurrency where drafting pays (--prompts-per-step 8: 64 per engine). The
-# initial policy rolls out without drafting (its head trains all the same), so it depends
-# on the seed alone: under auto its samples would depend on what the timings chose.
-DRAFT_STAGE1_FLAGS = ("--task", "count", "--count-step", "2", "--steps", "45", "--no-mtp-rollout")
-DRAFT_STAGE2_FLAGS = ("--task", "count", "--steps", "80", "--prompts-per-step", "8", "--num-speculative-tokens", "3")
-DRAFT_VARIANTS = {"online": (), "frozen": ("--no-mtp-train",), "none": ("--no-mtp-rollout",)}
-DRAFT_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-draft-training")
-DRAFT_LAST_FRACTION = 0.2
-DRAFT_REWARD_TARGET = 0.9
-DRAFT_PLOT = os.path.join(FIGURES_DIR, "draft_training_cpu.png")
-
-
-def plot_draft_training(runs, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for name, records in runs.items():
-        steps = [r["step"] for r in records]
-        axes[0].plot(steps, [r["reward_mean"] for r in records], label=name)
-        axes[1].plot(steps, [r["acceptance_rate"] for r in records], label=name)
-        axes[2].plot(steps, [r["rollout_tokens_per_s"] for r in records], label=name)
-    for axis, label in zip(axes, ("mean reward", "draft acceptance (3 draft tokens)", "rollout tokens/s")):
-        axis.set_xlabel("step")
-        axis.set_ylabel(label)
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.suptitle("count in ones, from a policy that counts in twos: MTP head trained online / frozen / no drafting",
-                    fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-
-
-def row_draft_training():
-    stage1 = train_grpo_run(os.path.join(DRAFT_RUN_DIR, "stage1"), DRAFT_STAGE1_FLAGS)
-    initial = os.path.join(DRAFT_RUN_DIR, "stage1", "final")
-    runs = {name: train_grpo_run(os.path.join(DRAFT_RUN_DIR, name), ("--model", initial, *DRAFT_STAGE2_FLAGS, *extra))
-            for name, extra in DRAFT_VARIANTS.items()}
-    plot_draft_training(runs, DRAFT_PLOT)
-    rows = []
-    for name, records in runs.items():
-        last = records[-max(1, round(DRAFT_LAST_FRACTION * len(records))):]
-        accepted = [r["acceptance_rate"] for r in last if r["acceptance_rate"] is not None]
-        reached = next((r["step"] for r in records if r["reward_mean"] >= DRAFT_REWARD_TARGET), None)
-        rows.append({
-            "row": f"draft_training {name}", "ours_ms": 1000 * statistics.mean(r["rollout_s"] for r in records),
-            "baseline_ms": None, "speedup": None,
-            "notes": (f"rollout {statistics.mean(r['rollout_tokens_per_s'] for r in records):.0f} tok/s mean over "
-                      f"{len(records)} steps; acceptance first step "
-                      + (f"{records[0]['acceptance_rate']:.3f}" if records[0]["acceptance_rate"] is not None else "-")
-                      + f", last {len(last)} steps " + (f"{statistics.mean(accepted):.3f}" if accepted else "-")
-                      + f"; reward {records[-1]['reward_mean']:.3f} at the last step, >= {DRAFT_REWARD_TARGET} from "
-                      f"step {reached}; initial policy (count in twos) reward {stage1[-1]['reward_mean']:.3f}, "
-                      f"acceptance {stage1[-1]['acceptance_rate']}")})
-    rows.append({"row": "draft_training plot", "ours_ms": None, "baseline_ms": None, "speedup": None,
-                 "notes": DRAFT_PLOT})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------
-# trl_step: the default run's step against Hugging Face TRL's GRPOTrainer on the same work
-# ---------------------------------------------------------------------------------------
-
-# TRL, pinned in requirements-bench.txt; the tests never import it.
-TRL_VERSION = "1.16.0"
-TRL_ROUNDS = 3
-TRL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-trl")
-# TRL in one process on every core (its own default); ours: torchrun's processes x 1 thread.
-TRL_THREADS = 2
-OUR_PROCESSES = 2
-REWARD_TARGET = 0.9
-
-
-def trl_worker(out):
-    """Runs in its own process (`bench.py --trl-worker OUT`): TRL's GRPOTrainer with plain HF
-    generate on the default run's work: the built-in model (its Qwen2 trunk; TRL has no MTP
-    head to train), task, prompts per step (both data-parallel ranks' share), group size,
-    completion length (forced, as ours ignores EOS), lr, PPO clips, entropy bonus, no KL, the
-    task's mean per-character credit as the sequence reward. Writes OUT/trl.json: per-step
-    seconds and rewards, the seconds of the whole training."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    import train_grpo
-    torch.set_num_threads(TRL_THREADS)
-    settings = train_grpo.check_args(train_grpo.parse_args(["--out", out]), world_size=OUR_PROCESSES)
-    model_dir = train_grpo.write_builtin_model(settings.builtin_model)
-    examples, _ = tasks.split_examples(None, None, settings.seed, settings.task, settings.count_step)
-    prompts_per_step = OUR_PROCESSES * settings.prompts_per_step
-    steps = []
-
-    def credit(completions, answer, **_):
-        return [sum(a == b for a, b in zip(text, gold)) / len(gold) for text, gold in zip(completions, answer)]
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, args, state, control, **_):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **_):
-            steps.append({"seconds": time.perf_counter() - self.started})
-
-    config = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=prompts_per_step * settings.group_size,
-        num_generations=settings.group_size, max_completion_length=settings.max_new_tokens,
-        generation_kwargs={"min_new_tokens": settings.max_new_tokens}, temperature=settings.temperature,
-        learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=settings.steps,
-        beta=0.0, epsilon=settings.clip_low, epsilon_high=settings.clip_high, entropy_coef=settings.entropy_coef,
-        max_grad_norm=settings.grad_clip, adam_beta2=0.99, seed=settings.seed, use_cpu=True, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
-    rows = [{"prompt": e["prompt"], "answer": e["answer"]} for e in examples]
-    dataset = Dataset.from_list(rows * (settings.steps * prompts_per_step // len(rows) + 1))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    grpo = GRPOTrainer(model=model, reward_funcs=credit, args=config, train_dataset=dataset,
-                       processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[StepTimes()])
-    started = time.perf_counter()
-    grpo.train()
-    rewards = [entry["reward"] for entry in grpo.state.log_history if "reward" in entry]
-    for step, reward in zip(steps, rewards):
-        step["reward_mean"] = reward
-    with open(os.path.join(out, "trl.json"), "w") as f:
-        json.dump({"steps": steps, "train_s": time.perf_counter() - started}, f)
-
-
-def timed_process(command, out):
-    """(wall seconds, peak resident bytes of its largest process) of `command` run in a fresh
-    `out`; its output goes to OUT/console.log."""
-    import shutil
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    started = time.perf_counter()
-    with open(os.path.join(out, "console.log"), "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT)
-        # wait4's usage covers this child and the descendants it waited for (torchrun's workers).
-        _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{' '.join(command)} exited with {os.waitstatus_to_exitcode(status)}; see "
-                           f"{os.path.join(out, 'console.log')}")
-    return seconds, usage.ru_maxrss * 1024
-
-
-def run_summary(step_seconds, rewards, wall_s, peak_bytes):
-    reached = next((step for step, reward in enumerate(rewards, 1) if reward >= REWARD_TARGET), None)
-    return {"median_step_s": statistics.median(step_seconds), "wall_s": wall_s, "peak_bytes": peak_bytes,
-            "reward_last": rewards[-1], "reward_target_step": reached}
-
-
-def row_trl_step():
-    """Ours (`torchrun --nproc_per_node 2 train_grpo.py`, defaults) and TRL's GRPOTrainer on
-    the same work, taking turns for TRL_ROUNDS rounds; the ratio is TRL's median step time
-    over ours, per round. A step is a rollout plus a train step: ours is the sum of its
-    phases (tune, rollout, train, sync, eval), TRL's the wall time of its training step
-    (generation included)."""
-    import importlib.metadata
-    try:
-        installed = importlib.metadata.version("trl")
-    except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(f"bench.py --rows trl_step needs TRL: .venv/bin/pip install -r requirements-bench.txt "
-                         f"(trl=={TRL_VERSION})") from None
-    rounds = []
-    for number in range(1, TRL_ROUNDS + 1):
-        ours_out, trl_out = (os.path.join(TRL_RUN_DIR, f"{name}_{number}") for name in ("ours", "trl"))
-        print(f"trl_step round {number}/{TRL_ROUNDS}: ours ...", file=sys.stderr, flush=True)
-        wall, peak = timed_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                    str(OUR_PROCESSES), "train_grpo.py", "--out", ours_out, "--resume", "never"],
-                                   ours_out)
-        with open(os.path.join(ours_out, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-        phases = ("tune_s", "rollout_s", "train_s", "sync_s", "eval_s")
-        ours = run_summary([sum(r.get(phase) or 0.0 for phase in phases) for r in records],
-                           [r["reward_mean"] for r in records], wall, peak)
-        ours.update({phase: statistics.median(r.get(phase) or 0.0 for r in records) for phase in phases})
-        print(f"trl_step round {number}/{TRL_ROUNDS}: TRL {installed} ...", file=sys.stderr, flush=True)
-        wall, peak = timed_process([sys.executable, "bench.py", "--trl-worker", trl_out], trl_out)
-        with open(os.path.join(trl_out, "trl.json")) as f:
-            trl = json.load(f)["steps"]
-        trl = run_summary([s["seconds"] for s in trl], [s["reward_mean"] for s in trl], wall, peak)
-        rounds.append((ours, trl))
-    return [{"row": f"trl_step round {number}", "ours_ms": 1000 * ours["median_step_s"],
-             "baseline_ms": 1000 * trl["median_step_s"], "speedup": trl["median_step_s"] / ours["median_step_s"],
-             "notes": (f"ours: wall {ours['wall_s']:.0f} s, phases (median s) "
-                       + " ".join(f"{phase[:-2]} {ours[phase]:.3f}" for phase in ("tune_s", "rollout_s", "train_s",
-                                                                                  "sync_s"))
-                       + f", reward >= {REWARD_TARGET} at step {ours['reward_target_step']}; TRL {installed}: wall "
-                       f"{trl['wall_s']:.0f} s, reward >= {REWARD_TARGET} at step {trl['reward_target_step']}; peak "
-                       f"RSS of the largest process {ours['peak_bytes'] / 2**20:.0f} / "
-                       f"{trl['peak_bytes'] / 2**20:.0f} MiB")}
-            for number, (ours, trl) in enumerate(rounds, 1)]
 
 
 ROWS = {
@@ -1025,9 +616,9 @@ ROWS = {
     "forward_backward": row_forward_backward,
     "attention_scaling": row_attention_scaling,
     "optimizer_step": row_optimizer_step,
-    "spec_rollout": row_spec_rollout,
-    "draft_training": row_draft_training,
-    "trl_step": row_trl_step,
+    "spec_rollout": bench_runs.row_spec_rollout,
+    "draft_training": bench_runs.row_draft_training,
+    "trl_step": bench_runs.row_trl_step,
     "moe_expert_parallel": row_moe_expert_parallel,
 }
 
@@ -1056,13 +647,14 @@ def main():
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads")
     parser.add_argument("--spec-checkpoint", default=None,
                         help="spec_rollout: a MiMo checkpoint with a trained MTP head; default: the final policy of "
-                             f"train_grpo.py {' '.join(SPEC_TRAIN_FLAGS)}, trained once into {SPEC_RUN_DIR}")
+                             f"train_grpo.py {' '.join(bench_runs.SPEC_TRAIN_FLAGS)}, trained once into "
+                             f"{bench_runs.SPEC_RUN_DIR}")
     args = parser.parse_args()
     if args.trl_worker is not None:
-        return trl_worker(args.trl_worker)
+        return bench_runs.trl_worker(args.trl_worker)
     if args.spec_checkpoint is not None and not os.path.isfile(os.path.join(args.spec_checkpoint, "config.json")):
         parser.error(f"--spec-checkpoint {args.spec_checkpoint!r}: no config.json there; expected a HF checkpoint dir")
-    rows = dict(ROWS, spec_rollout=lambda: row_spec_rollout(args.spec_checkpoint))
+    rows = dict(ROWS, spec_rollout=lambda: bench_runs.row_spec_rollout(args.spec_checkpoint))
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     results = []

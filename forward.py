@@ -340,9 +340,10 @@ def _rollout_routing(model, batch, routed_experts, replay):
             router.router_replay.clear_indices()
 
 
-def _main_logits(model, batch, local_labels, local_mask, mtp_train):
-    """[T_local, vocab/tp] logits of the main model, from the output layer's forward (with
-    MTP training on the model's forward also builds the MTP loss)."""
+def output_layer_logits(model, clone, **inputs):
+    """The main model's logits [s, b, vocab/tp] (the model's dtype), taken from the output
+    layer's forward while `model(**inputs)` runs. `clone`: the rest of the forward gets a
+    copy of them (with labels, megatron's cross entropy works on its input in place)."""
     captured = []
 
     def keep_logits(module, args, output):
@@ -351,18 +352,25 @@ def _main_logits(model, batch, local_labels, local_mask, mtp_train):
         # these logits in place; hand it a copy and keep the original.
         logits, bias = output
         captured.append(logits)
-        return (logits.clone(), bias) if mtp_train else output
+        return (logits.clone(), bias) if clone else output
 
     hook = model.output_layer.register_forward_hook(keep_logits)
     try:
-        # Labels only serve the MTP loss (log-probs are computed by the caller): without them
-        # a patched model skips its MTP layers (see mtp_patch.py; megatron <= 0.16 needs it).
-        model(input_ids=batch.input_ids[None],
-              position_ids=batch.position_ids[None] if mtp_train else None,
-              attention_mask=None,
-              labels=local_labels[None] if mtp_train else None,
-              loss_mask=local_mask[None] if mtp_train else None,
-              packed_seq_params=batch.packed_seq_params)
+        model(**inputs)
     finally:
         hook.remove()
-    return captured[-1][:, 0]
+    return captured[-1]
+
+
+def _main_logits(model, batch, local_labels, local_mask, mtp_train):
+    """[T_local, vocab/tp] logits of the main model (with MTP training on the model's
+    forward also builds the MTP loss)."""
+    # Labels only serve the MTP loss (log-probs are computed by the caller): without them
+    # a patched model skips its MTP layers (see mtp_patch.py; megatron <= 0.16 needs it).
+    return output_layer_logits(model, clone=mtp_train,
+                               input_ids=batch.input_ids[None],
+                               position_ids=batch.position_ids[None] if mtp_train else None,
+                               attention_mask=None,
+                               labels=local_labels[None] if mtp_train else None,
+                               loss_mask=local_mask[None] if mtp_train else None,
+                               packed_seq_params=batch.packed_seq_params)[:, 0]

@@ -1,4 +1,4 @@
-"""Test plumbing shared by test_all.py and bench.py: fresh processes with torchrun's environment.
+"""Test plumbing shared by test_all.py, bench.py and bench_runs.py: fresh processes with torchrun's environment.
 
 Anything that initialises torch.distributed, megatron-core's parallel state or a vLLM
 engine runs in freshly spawned processes (`run_in_processes`), so callers never share

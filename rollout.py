@@ -402,6 +402,16 @@ def push_weights(engines, engine, model, version):
         vllm_sync.check_draft(model, engine)
 
 
+def plan_draft_tokens(tuner, drafting_engine, step, check, check_every, tune_every, drafting):
+    """`tuner.plan` (DraftTuner), then `drafting_engine` (built with a dynamic speculative
+    config) switched to the k it names; k = 0 leaves it as it is (the plain engine rolls
+    out). Returns plan's (k, the check's statistics or None)."""
+    draft_tokens, checked = tuner.plan(step, check, check_every, tune_every, drafting=drafting)
+    if draft_tokens:
+        spec_config.set_draft_tokens(drafting_engine, draft_tokens)
+    return draft_tokens, checked
+
+
 def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, check_every, tune_every, rank):
     """The tune phase (auto only): set the k this step's rollout drafts (DraftTuner.plan);
     the acceptance check, when due, rolls the first ACCEPTANCE_CHECK_PROMPTS prompts per
@@ -418,10 +428,8 @@ def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, c
                              check_params, engines.rollout_tp, rank)
         return all_engines_statistics(engines, engines.meter.read(outputs), rank)
 
-    engines.draft_tokens, checked = engines.tuner.plan(step, check, check_every, tune_every,
-                                                       drafting=bool(engines.draft_tokens))
-    if engines.draft_tokens:
-        spec_config.set_draft_tokens(engines.drafting, engines.draft_tokens)
+    engines.draft_tokens, checked = plan_draft_tokens(engines.tuner, engines.drafting, step, check, check_every,
+                                                      tune_every, drafting=bool(engines.draft_tokens))
     return checked, engines.tuner.exploring()
 
 
