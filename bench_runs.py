@@ -317,9 +317,10 @@ def trl_worker(out):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    import flags
     import train_grpo
     torch.set_num_threads(TRL_THREADS)
-    settings = train_grpo.check_args(train_grpo.parse_args(["--out", out]), world_size=OUR_PROCESSES)
+    settings = flags.check_args(flags.parse_args(["--out", out]), world_size=OUR_PROCESSES)
     model_dir = train_grpo.write_builtin_model(settings.builtin_model)
     examples, _ = tasks.split_examples(None, None, settings.seed, settings.task, settings.count_step)
     prompts_per_step = OUR_PROCESSES * settings.prompts_per_step
