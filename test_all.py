@@ -7,6 +7,7 @@ engine runs in freshly spawned processes (`harness.run_in_processes`), so tests 
 share global state and multi-rank tests use real gloo process groups.
 """
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -72,7 +73,7 @@ def tiny_checkpoint():
 # The files these tests are about: every test's name starts with one (so `pytest test_all.py
 # -k cp_thd` runs exactly cp_thd's tests), and names no other.
 TESTED_FILES = sorted(name[:-3] for name in os.listdir(REPO_DIR) if name.endswith(".py") and name != "test_all.py") \
-    + ["setup", "gpu_check"]
+    + ["setup", "gpu_check", "readme"]
 
 
 def test_all_names_select_one_module_each():
@@ -87,6 +88,72 @@ def test_all_names_select_one_module_each():
         said = " ".join([name, *parameters]).lower()
         strays = [module for module in TESTED_FILES if module in said and not name.startswith(f"test_{module}_")]
         assert strays == [], (name, strays)
+
+
+# README's module table: floor, module, concern, imports, the project modules it uses.
+README_MODULE_SECTION = "## Modules, and what each imports"
+
+
+def _project_imports(repo_dir):
+    """{module: the project modules its file imports anywhere, lazy imports included} for
+    every top-level .py file but test_all.py."""
+    modules = {name[:-3] for name in os.listdir(repo_dir) if name.endswith(".py") and name != "test_all.py"}
+    imports = {}
+    for module in modules:
+        with open(os.path.join(repo_dir, f"{module}.py")) as f:
+            tree = ast.parse(f.read())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module.split(".")[0])
+        imports[module] = (names & modules) - {module}
+    return imports
+
+
+def _floors(imports):
+    """{module: 0 for one that imports no project module, else 1 + the highest floor of those
+    it imports}; an import cycle fails, naming it."""
+    floors = {}
+
+    def floor(module, path):
+        assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
+        if module not in floors:
+            floors[module] = 1 + max((floor(used, (*path, module)) for used in imports[module]), default=-1)
+        return floors[module]
+
+    for module in imports:
+        floor(module, ())
+    return floors
+
+
+def _readme_module_rows(readme_path):
+    """{module: (its floor, the project modules its row says it uses)} from README's module
+    table; a row may name several modules, a module two rows fails."""
+    with open(readme_path) as f:
+        section = f.read().split(README_MODULE_SECTION, 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or not cells[0].isdigit():
+            continue  # prose, the header or the |---| line
+        for module in re.findall(r"`(\w+)\.py`", cells[1]):
+            assert module not in rows, f"README's module table has two rows for {module}"
+            rows[module] = (int(cells[0]), set(re.findall(r"`(\w+)`", cells[-1])))
+    return rows
+
+
+def test_readme_module_table_matches_imports():
+    imports = _project_imports(REPO_DIR)
+    floors = _floors(imports)
+    rows = _readme_module_rows(os.path.join(REPO_DIR, "README.md"))
+    assert len(rows) > 10
+    without_row, row_without_file = sorted(set(imports) - set(rows)), sorted(set(rows) - set(imports))
+    assert (without_row, row_without_file) == ([], []), "README's module table and the .py files differ"
+    wrong = {module: {"README": (floor, sorted(uses)), "code": (floors[module], sorted(imports[module]))}
+             for module, (floor, uses) in rows.items() if (floor, uses) != (floors[module], imports[module])}
+    assert wrong == {}, "README's module table says other floors or imports than the code"
 
 
 # ---------------------------------------------------------------------------------------
