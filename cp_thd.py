@@ -287,7 +287,7 @@ def _run_of_each_slot(run_lengths, total):
     The count of run ends at or before each slot: a cumsum over end markers (an empty run
     puts its marker on the same slot as the one before it, so it is skipped). Same as
     `repeat_interleave(arange(R), run_lengths)`, whose CPU kernel starts threads even for a
-    handful of elements: on a busy machine that alone costs milliseconds per call.
+    handful of elements: a fixed cost per call, larger than the work itself on a busy machine.
     """
     ends = torch.cumsum(run_lengths, 0)
     markers = torch.zeros(total + 1, dtype=torch.int64, device=run_lengths.device)
@@ -351,11 +351,46 @@ def pack_shared_prefix(input_ids, seqlens, *, group_size, shared_lengths):
     """
     seqlens = _checked_seqlens(input_ids, seqlens)
     device = input_ids.device
+    shared_lengths, shared_per_sequence, total = _checked_shared_lengths(input_ids, seqlens, group_size,
+                                                                         shared_lengths)
+    num_groups = len(seqlens) // group_size
+
+    # Runs of consecutive slots, per group: its prefix, then each member's segment.
+    sequence_starts = torch.cumsum(seqlens, 0) - seqlens
+    segment_lengths = seqlens - 1 - shared_per_sequence
+    run_lengths = torch.cat([shared_lengths[:, None], segment_lengths.view(num_groups, group_size)], 1).view(-1)
+    run_sources = torch.cat([sequence_starts[::group_size, None],
+                             (sequence_starts + shared_per_sequence).view(num_groups, group_size)], 1).view(-1)
+    run_first_positions = torch.cat([torch.zeros_like(shared_lengths)[:, None],
+                                     shared_per_sequence.view(num_groups, group_size)], 1).view(-1)
+    run_starts = torch.cumsum(run_lengths, 0) - run_lengths
+    packed_tokens = int(run_lengths.sum())
+    index = _slot_plus_run_value(run_lengths, run_sources - run_starts, packed_tokens)
+    position_ids = _slot_plus_run_value(run_lengths, run_first_positions - run_starts, packed_tokens)
+
+    prefix_starts = run_starts[::group_size + 1]
+    slot = _shared_prefix_slot_of_token(seqlens, sequence_starts, shared_per_sequence, run_starts, group_size,
+                                        total)
+
+    boundaries = torch.tensor([0, packed_tokens], dtype=torch.int32, device=device)
+    params = SharedPrefixSeqParams(
+        qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries, cu_seqlens_q_padded=boundaries,
+        cu_seqlens_kv_padded=boundaries, max_seqlen_q=packed_tokens, max_seqlen_kv=packed_tokens,
+        unit_starts=run_starts, unit_lengths=run_lengths,
+        # A segment's context is its group's prefix, which starts at the position it does.
+        context_starts=prefix_starts.repeat_interleave(group_size + 1), context_lengths=run_first_positions)
+    return SharedPrefixBatch(input_ids=input_ids.index_select(0, index), position_ids=position_ids, index=index,
+                             slot_of_token=slot, packed_seq_params=params, num_tokens=total)
+
+
+def _checked_shared_lengths(input_ids, seqlens, group_size, shared_lengths):
+    """(shared_lengths [G] int64, the same per sequence [B] int64, T_total), after checking
+    `group_size` and `shared_lengths` against `seqlens` [B] int64 (one device-to-host sync)."""
     if not isinstance(group_size, int) or group_size < 1 or len(seqlens) % group_size:
         raise ValueError(f"group_size = {group_size!r}: expected an integer >= 1 that divides the "
                          f"{len(seqlens)} sequences")
     num_groups = len(seqlens) // group_size
-    shared_lengths = torch.as_tensor(shared_lengths, device=device)
+    shared_lengths = torch.as_tensor(shared_lengths, device=input_ids.device)
     _check_integer_tensor("shared_lengths", shared_lengths)
     if shared_lengths.shape != (num_groups,):
         raise ValueError(f"shared_lengths has shape {tuple(shared_lengths.shape)}; expected ({num_groups},), one "
@@ -371,39 +406,23 @@ def pack_shared_prefix(input_ids, seqlens, *, group_size, shared_lengths):
     if shortest < 1 or too_long:
         raise ValueError(f"shared_lengths {shared_lengths.tolist()} with seqlens {seqlens.tolist()}: every "
                          "sequence length must be >= 1 and every shared length in [0, each member's length)")
+    return shared_lengths, shared_per_sequence, total
 
-    # Runs of consecutive slots, per group: its prefix, then each member's segment.
-    sequence_starts = torch.cumsum(seqlens, 0) - seqlens
-    segment_lengths = seqlens - 1 - shared_per_sequence
-    run_lengths = torch.cat([shared_lengths[:, None], segment_lengths.view(num_groups, group_size)], 1).view(-1)
-    run_sources = torch.cat([sequence_starts[::group_size, None],
-                             (sequence_starts + shared_per_sequence).view(num_groups, group_size)], 1).view(-1)
-    run_first_positions = torch.cat([torch.zeros_like(shared_lengths)[:, None],
-                                     shared_per_sequence.view(num_groups, group_size)], 1).view(-1)
-    run_starts = torch.cumsum(run_lengths, 0) - run_lengths
-    packed_tokens = int(run_lengths.sum())
-    index = _slot_plus_run_value(run_lengths, run_sources - run_starts, packed_tokens)
-    position_ids = _slot_plus_run_value(run_lengths, run_first_positions - run_starts, packed_tokens)
 
-    # Where each input token's values live in the pack: the prefix, its segment, or nowhere.
+def _shared_prefix_slot_of_token(seqlens, sequence_starts, shared_per_sequence, run_starts, group_size, total):
+    """[T_total] int64: where each input token's values live in the pack: its group's prefix,
+    its segment, or nowhere (PADDING_INDEX: a sequence's last token, which is not stored).
+
+    seqlens, sequence_starts, shared_per_sequence: [B] int64; run_starts: [G * (group_size +
+    1)] int64, the first slot of each group's prefix, then of each member's segment."""
     prefix_starts = run_starts[::group_size + 1]
-    segment_starts = run_starts.view(num_groups, group_size + 1)[:, 1:].reshape(-1)
+    segment_starts = run_starts.view(-1, group_size + 1)[:, 1:].reshape(-1)
     sequence = _run_of_each_slot(seqlens, total)
-    position = torch.arange(total, device=device) - sequence_starts.index_select(0, sequence)
+    position = torch.arange(total, device=seqlens.device) - sequence_starts.index_select(0, sequence)
     shared = shared_per_sequence.index_select(0, sequence)
     slot = torch.where(position < shared, prefix_starts.repeat_interleave(group_size).index_select(0, sequence),
                        segment_starts.index_select(0, sequence) - shared) + position
-    slot = torch.where(position == seqlens.index_select(0, sequence) - 1, torch.full_like(slot, PADDING_INDEX), slot)
-
-    boundaries = torch.tensor([0, packed_tokens], dtype=torch.int32, device=device)
-    params = SharedPrefixSeqParams(
-        qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries, cu_seqlens_q_padded=boundaries,
-        cu_seqlens_kv_padded=boundaries, max_seqlen_q=packed_tokens, max_seqlen_kv=packed_tokens,
-        unit_starts=run_starts, unit_lengths=run_lengths,
-        # A segment's context is its group's prefix, which starts at the position it does.
-        context_starts=prefix_starts.repeat_interleave(group_size + 1), context_lengths=run_first_positions)
-    return SharedPrefixBatch(input_ids=input_ids.index_select(0, index), position_ids=position_ids, index=index,
-                             slot_of_token=slot, packed_seq_params=params, num_tokens=total)
+    return torch.where(position == seqlens.index_select(0, sequence) - 1, torch.full_like(slot, PADDING_INDEX), slot)
 
 
 @dataclasses.dataclass
