@@ -78,9 +78,7 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
     if shortest < 1:
         first_bad = int(torch.nonzero(seqlens < 1)[0])
         raise ValueError(f"seqlens[{first_bad}] = {int(seqlens[first_bad])}: every sequence length must be >= 1")
-    if total != input_ids.numel():
-        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
-                         f"expected the lengths of the concatenated sequences")
+    _check_total(total, input_ids)
     local_tokens = total_padded // cp_size
 
     # Two passes each (a fill and a cumsum) give every slot its position and input index as
@@ -303,6 +301,12 @@ def _check_layout(cp_size, cp_rank, tp_size, pad_multiple):
         raise ValueError(f"cp_rank = {cp_rank!r}: expected an integer in [0, cp_size={cp_size})")
 
 
+def _check_total(total, input_ids):
+    if total != input_ids.numel():
+        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
+                         f"expected the lengths of the concatenated sequences")
+
+
 def _check_integer_tensor(name, tensor):
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in INTEGER_DTYPES:
         kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -400,9 +404,7 @@ def _checked_shared_lengths(input_ids, seqlens, group_size, shared_lengths):
     total, shortest, too_long = torch.stack([seqlens.sum(), seqlens.min(),
                                              (shared_per_sequence >= seqlens).sum() + (shared_lengths < 0).sum()]
                                             ).tolist()
-    if total != input_ids.numel():
-        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
-                         f"expected the lengths of the concatenated sequences")
+    _check_total(total, input_ids)
     if shortest < 1 or too_long:
         raise ValueError(f"shared_lengths {shared_lengths.tolist()} with seqlens {seqlens.tolist()}: every "
                          "sequence length must be >= 1 and every shared length in [0, each member's length)")
