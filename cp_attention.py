@@ -150,8 +150,8 @@ def _bucketed_plan(unit_start, unit_queries, unit_first_position, key_slots, loc
     positions -> [n, keys] rows); query j sees key positions <= unit_first_position[u] + j.
     Empty units are dropped. Units that start at key position 0 run causal, the others
     (a shared prefix's segments, the zigzag's later chunks) with a mask, and the two kinds
-    never share a bucket: a segment of 3 queries padded to its prefix's 8 would cost more
-    than the second SDPA call (4.3 ms against 2.2 for the default run's 144 units)."""
+    never share a bucket: padding a segment's few queries to its prefix's many costs more
+    than a second SDPA call (docs/BENCHMARKS.md)."""
     device = unit_start.device
     kept = unit_queries > 0
     unit_ids = torch.arange(len(unit_start), device=device)[kept]

@@ -78,9 +78,7 @@ def pack_thd(input_ids, seqlens, *, cp_size=1, cp_rank=0, tp_size=1, sequence_pa
     if shortest < 1:
         first_bad = int(torch.nonzero(seqlens < 1)[0])
         raise ValueError(f"seqlens[{first_bad}] = {int(seqlens[first_bad])}: every sequence length must be >= 1")
-    if total != input_ids.numel():
-        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
-                         f"expected the lengths of the concatenated sequences")
+    _check_total(total, input_ids)
     local_tokens = total_padded // cp_size
 
     # Two passes each (a fill and a cumsum) give every slot its position and input index as
@@ -287,7 +285,7 @@ def _run_of_each_slot(run_lengths, total):
     The count of run ends at or before each slot: a cumsum over end markers (an empty run
     puts its marker on the same slot as the one before it, so it is skipped). Same as
     `repeat_interleave(arange(R), run_lengths)`, whose CPU kernel starts threads even for a
-    handful of elements: on a busy machine that alone costs milliseconds per call.
+    handful of elements: a fixed cost per call, larger than the work itself on a busy machine.
     """
     ends = torch.cumsum(run_lengths, 0)
     markers = torch.zeros(total + 1, dtype=torch.int64, device=run_lengths.device)
@@ -301,6 +299,12 @@ def _check_layout(cp_size, cp_rank, tp_size, pad_multiple):
             raise ValueError(f"{name} = {value!r}: expected an integer >= 1")
     if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank = {cp_rank!r}: expected an integer in [0, cp_size={cp_size})")
+
+
+def _check_total(total, input_ids):
+    if total != input_ids.numel():
+        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
+                         f"expected the lengths of the concatenated sequences")
 
 
 def _check_integer_tensor(name, tensor):
@@ -351,26 +355,9 @@ def pack_shared_prefix(input_ids, seqlens, *, group_size, shared_lengths):
     """
     seqlens = _checked_seqlens(input_ids, seqlens)
     device = input_ids.device
-    if not isinstance(group_size, int) or group_size < 1 or len(seqlens) % group_size:
-        raise ValueError(f"group_size = {group_size!r}: expected an integer >= 1 that divides the "
-                         f"{len(seqlens)} sequences")
+    shared_lengths, shared_per_sequence, total = _checked_shared_lengths(input_ids, seqlens, group_size,
+                                                                         shared_lengths)
     num_groups = len(seqlens) // group_size
-    shared_lengths = torch.as_tensor(shared_lengths, device=device)
-    _check_integer_tensor("shared_lengths", shared_lengths)
-    if shared_lengths.shape != (num_groups,):
-        raise ValueError(f"shared_lengths has shape {tuple(shared_lengths.shape)}; expected ({num_groups},), one "
-                         f"per group of {group_size} sequences")
-    shared_lengths = shared_lengths.long()
-    shared_per_sequence = shared_lengths.repeat_interleave(group_size)
-    total, shortest, too_long = torch.stack([seqlens.sum(), seqlens.min(),
-                                             (shared_per_sequence >= seqlens).sum() + (shared_lengths < 0).sum()]
-                                            ).tolist()
-    if total != input_ids.numel():
-        raise ValueError(f"seqlens sum to {total} but input_ids holds {input_ids.numel()} tokens: "
-                         f"expected the lengths of the concatenated sequences")
-    if shortest < 1 or too_long:
-        raise ValueError(f"shared_lengths {shared_lengths.tolist()} with seqlens {seqlens.tolist()}: every "
-                         "sequence length must be >= 1 and every shared length in [0, each member's length)")
 
     # Runs of consecutive slots, per group: its prefix, then each member's segment.
     sequence_starts = torch.cumsum(seqlens, 0) - seqlens
@@ -385,15 +372,9 @@ def pack_shared_prefix(input_ids, seqlens, *, group_size, shared_lengths):
     index = _slot_plus_run_value(run_lengths, run_sources - run_starts, packed_tokens)
     position_ids = _slot_plus_run_value(run_lengths, run_first_positions - run_starts, packed_tokens)
 
-    # Where each input token's values live in the pack: the prefix, its segment, or nowhere.
     prefix_starts = run_starts[::group_size + 1]
-    segment_starts = run_starts.view(num_groups, group_size + 1)[:, 1:].reshape(-1)
-    sequence = _run_of_each_slot(seqlens, total)
-    position = torch.arange(total, device=device) - sequence_starts.index_select(0, sequence)
-    shared = shared_per_sequence.index_select(0, sequence)
-    slot = torch.where(position < shared, prefix_starts.repeat_interleave(group_size).index_select(0, sequence),
-                       segment_starts.index_select(0, sequence) - shared) + position
-    slot = torch.where(position == seqlens.index_select(0, sequence) - 1, torch.full_like(slot, PADDING_INDEX), slot)
+    slot = _shared_prefix_slot_of_token(seqlens, sequence_starts, shared_per_sequence, run_starts, group_size,
+                                        total)
 
     boundaries = torch.tensor([0, packed_tokens], dtype=torch.int32, device=device)
     params = SharedPrefixSeqParams(
@@ -404,6 +385,46 @@ def pack_shared_prefix(input_ids, seqlens, *, group_size, shared_lengths):
         context_starts=prefix_starts.repeat_interleave(group_size + 1), context_lengths=run_first_positions)
     return SharedPrefixBatch(input_ids=input_ids.index_select(0, index), position_ids=position_ids, index=index,
                              slot_of_token=slot, packed_seq_params=params, num_tokens=total)
+
+
+def _checked_shared_lengths(input_ids, seqlens, group_size, shared_lengths):
+    """(shared_lengths [G] int64, the same per sequence [B] int64, T_total), after checking
+    `group_size` and `shared_lengths` against `seqlens` [B] int64 (one device-to-host sync)."""
+    if not isinstance(group_size, int) or group_size < 1 or len(seqlens) % group_size:
+        raise ValueError(f"group_size = {group_size!r}: expected an integer >= 1 that divides the "
+                         f"{len(seqlens)} sequences")
+    num_groups = len(seqlens) // group_size
+    shared_lengths = torch.as_tensor(shared_lengths, device=input_ids.device)
+    _check_integer_tensor("shared_lengths", shared_lengths)
+    if shared_lengths.shape != (num_groups,):
+        raise ValueError(f"shared_lengths has shape {tuple(shared_lengths.shape)}; expected ({num_groups},), one "
+                         f"per group of {group_size} sequences")
+    shared_lengths = shared_lengths.long()
+    shared_per_sequence = shared_lengths.repeat_interleave(group_size)
+    total, shortest, too_long = torch.stack([seqlens.sum(), seqlens.min(),
+                                             (shared_per_sequence >= seqlens).sum() + (shared_lengths < 0).sum()]
+                                            ).tolist()
+    _check_total(total, input_ids)
+    if shortest < 1 or too_long:
+        raise ValueError(f"shared_lengths {shared_lengths.tolist()} with seqlens {seqlens.tolist()}: every "
+                         "sequence length must be >= 1 and every shared length in [0, each member's length)")
+    return shared_lengths, shared_per_sequence, total
+
+
+def _shared_prefix_slot_of_token(seqlens, sequence_starts, shared_per_sequence, run_starts, group_size, total):
+    """[T_total] int64: where each input token's values live in the pack: its group's prefix,
+    its segment, or nowhere (PADDING_INDEX: a sequence's last token, which is not stored).
+
+    seqlens, sequence_starts, shared_per_sequence: [B] int64; run_starts: [G * (group_size +
+    1)] int64, the first slot of each group's prefix, then of each member's segment."""
+    prefix_starts = run_starts[::group_size + 1]
+    segment_starts = run_starts.view(-1, group_size + 1)[:, 1:].reshape(-1)
+    sequence = _run_of_each_slot(seqlens, total)
+    position = torch.arange(total, device=seqlens.device) - sequence_starts.index_select(0, sequence)
+    shared = shared_per_sequence.index_select(0, sequence)
+    slot = torch.where(position < shared, prefix_starts.repeat_interleave(group_size).index_select(0, sequence),
+                       segment_starts.index_select(0, sequence) - shared) + position
+    return torch.where(position == seqlens.index_select(0, sequence) - 1, torch.full_like(slot, PADDING_INDEX), slot)
 
 
 @dataclasses.dataclass

@@ -144,40 +144,19 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; expected > 0")
-    config = model.config
     cp_group = parallel_state.get_context_parallel_group()
     seqlens = torch.as_tensor(seqlens, device=input_ids.device)
-    labels, next_token_mask = next_token_labels(input_ids, seqlens)
-    if loss_mask is not None:
-        if loss_mask.shape != input_ids.shape:
-            raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; expected {tuple(input_ids.shape)} "
-                             "like input_ids")
-        next_token_mask = next_token_mask * loss_mask.to(next_token_mask)
-    loss_mask = next_token_mask
+    labels, loss_mask = _labels_and_loss_mask(input_ids, seqlens, loss_mask)
     shared = prefix_group_size is not None
-    if shared:
-        mtp_depth = (config.mtp_num_layers or 0) if mtp_train else 0
-        _check_shared_prefix_layout(model, cp_group.size(), pad_multiple, prefix_group_size, len(seqlens), mtp_depth)
-        shared_lengths = shared_prefix_lengths(input_ids, seqlens, loss_mask, prefix_group_size, mtp_depth)
-        batch = pack_shared_prefix(input_ids, seqlens, group_size=prefix_group_size, shared_lengths=shared_lengths)
-        if mtp_depth:
-            setattr(batch.packed_seq_params, MTP_TARGETS_ATTRIBUTE,
-                    mtp_targets(batch.slot_of_token, input_ids, seqlens, loss_mask, mtp_depth))
-    else:
-        batch = pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
-                         tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
-                         pad_multiple=pad_multiple, pad_id=pad_id)
+    batch = _packed_batch(model, input_ids, seqlens, loss_mask, cp_group, pad_id=pad_id, pad_multiple=pad_multiple,
+                          prefix_group_size=prefix_group_size, mtp_train=mtp_train)
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
     rope = _rope_at_positions(model, batch.position_ids) if shared else contextlib.nullcontext()
     with _rollout_routing(model, batch, routed_experts, replay_routing) as routing, rope:
         logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
-
-    # Entropy first: megatron's vocab-parallel cross entropy overwrites its input in place.
-    entropy = vocab_parallel_entropy(logits) if with_entropy else None
-    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits[:, None], local_labels[:, None])[:, 0]
-    logprobs = logprobs * local_mask
+    entropy, logprobs = _entropy_and_logprobs(logits, local_labels, local_mask, with_entropy)
 
     mtp_losses = getattr(model, "mtp_losses", None) if mtp_train else None
     mtp_loss = mtp_losses.sum() if mtp_losses is not None else None
@@ -188,6 +167,48 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
         local_mask = loss_mask
     return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch,
                          routing_agreement=routing.get("agreement"))
+
+
+def _labels_and_loss_mask(input_ids, seqlens, loss_mask):
+    """`next_token_labels`, with the caller's optional `loss_mask` [T_total] (0/1) folded into
+    the next-token mask: (labels [T_total] int64, loss_mask [T_total] fp32)."""
+    labels, next_token_mask = next_token_labels(input_ids, seqlens)
+    if loss_mask is not None:
+        if loss_mask.shape != input_ids.shape:
+            raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; expected {tuple(input_ids.shape)} "
+                             "like input_ids")
+        next_token_mask = next_token_mask * loss_mask.to(next_token_mask)
+    return labels, next_token_mask
+
+
+def _packed_batch(model, input_ids, seqlens, loss_mask, cp_group, *, pad_id, pad_multiple, prefix_group_size,
+                  mtp_train):
+    """The layout the model runs on: cp_thd's zigzag THD pack of this CP rank (`ThdBatch`),
+    or with `prefix_group_size` its shared-prefix pack (`SharedPrefixBatch`), after refusing
+    what that cannot run; with MTP training its explicit MTP targets ride on its
+    packed_seq_params. loss_mask [T_total] fp32 is the next-token mask."""
+    config = model.config
+    if prefix_group_size is None:
+        return pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
+                        tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+                        pad_multiple=pad_multiple, pad_id=pad_id)
+    mtp_depth = (config.mtp_num_layers or 0) if mtp_train else 0
+    _check_shared_prefix_layout(model, cp_group.size(), pad_multiple, prefix_group_size, len(seqlens), mtp_depth)
+    shared_lengths = shared_prefix_lengths(input_ids, seqlens, loss_mask, prefix_group_size, mtp_depth)
+    batch = pack_shared_prefix(input_ids, seqlens, group_size=prefix_group_size, shared_lengths=shared_lengths)
+    if mtp_depth:
+        setattr(batch.packed_seq_params, MTP_TARGETS_ATTRIBUTE,
+                mtp_targets(batch.slot_of_token, input_ids, seqlens, loss_mask, mtp_depth))
+    return batch
+
+
+def _entropy_and_logprobs(logits, local_labels, local_mask, with_entropy):
+    """logits [T_local, vocab/tp] fp32 (consumed) -> (entropy [T_local] or None, log-probs of
+    `local_labels` [T_local] times `local_mask`)."""
+    # Entropy first: megatron's vocab-parallel cross entropy overwrites its input in place.
+    entropy = vocab_parallel_entropy(logits) if with_entropy else None
+    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits[:, None], local_labels[:, None])[:, 0]
+    return entropy, logprobs * local_mask
 
 
 def shared_prefix_lengths(input_ids, seqlens, loss_mask, group_size, mtp_depth):

@@ -185,6 +185,12 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config_class = MLATransformerConfig if family == "deepseek" else TransformerConfig
+    return _with_overrides(config_class, fields, overrides)
+
+
+def _with_overrides(config_class, fields, overrides):
+    """config_class(**fields) with the caller's `overrides` on top, each of which must be a
+    field of config_class in this megatron-core release."""
     known = {field.name for field in dataclasses.fields(config_class)}
     unknown = sorted(set(overrides) - known)
     if unknown:

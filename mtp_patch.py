@@ -71,6 +71,9 @@ PATCH_MARK = "_mtp_patch_options"
 MTP_TARGETS_ATTRIBUTE = "mtp_targets"
 
 # Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
+# A copy of cp_thd.CHUNKS_PER_RANK, as `_roll_source_index`'s arithmetic is of
+# cp_thd.zigzag_gathered_slot's: this module imports no project module, so that it can be
+# copied alone. test_mtp_patch_roll_index_map_agrees_with_cp_thd_zigzag_layout keeps them equal.
 CHUNKS_PER_RANK = 2
 # What megatron rolls in at the last position of each sequence.
 ROLL_FILL_VALUE = 0
@@ -365,19 +368,10 @@ def _make_process_mtp_loss(megatron, packed_roll):
         roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": cp_group}
         if packed_roll is not None:
             roll_kwargs["packed_seq_params"] = packed_seq_params
-        if loss_mask is None:
-            loss_mask = torch.ones_like(labels)
-        targets = getattr(packed_seq_params, MTP_TARGETS_ATTRIBUTE, None)
-        if targets is not None and len(targets) != num_layers:
-            raise ValueError(f"packed_seq_params.{MTP_TARGETS_ATTRIBUTE} holds {len(targets)} depths of targets; the "
-                             f"model has {num_layers} MTP layers")
+        depth_targets, counts = _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers,
+                                               roll_kwargs)
         # All depths' token counts (and the unrolled one) cross the CP group in one
         # all-reduce: one synchronisation of the ranks per forward, not one per depth.
-        if targets is None:
-            depth_labels, depth_masks, counts = _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers,
-                                                                  roll_kwargs)
-        else:
-            counts = [loss_mask.sum()] + [weights.sum().to(loss_mask.dtype) for _, _, weights in targets]
         original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
@@ -387,12 +381,10 @@ def _make_process_mtp_loss(megatron, packed_roll):
             if scale_logits is not None:
                 mtp_logits = scale_logits(mtp_logits)
             num_tokens = depth_num_tokens[depth].clamp(min=1)
-            if targets is None:
-                mtp_loss = depth_masks[depth] * compute_language_model_loss(depth_labels[depth], mtp_logits)
-            else:
-                rows, target_labels, weights = targets[depth]
-                mtp_loss = weights[None] * compute_language_model_loss(target_labels[None],
-                                                                       mtp_logits.index_select(0, rows))
+            rows, depth_labels, weights = depth_targets[depth]
+            if rows is not None:
+                mtp_logits = mtp_logits.index_select(0, rows)
+            mtp_loss = weights * compute_language_model_loss(depth_labels, mtp_logits)
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
             # 0.19 replaced this logger with one that also wants acceptance counts.
             if is_training and logs_to_tracker:
@@ -409,17 +401,38 @@ def _make_process_mtp_loss(megatron, packed_roll):
     return process_mtp_loss
 
 
+def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers, roll_kwargs):
+    """What each MTP depth predicts: ([(rows, labels, weights) per depth], [unrolled token
+    count, then each depth's]) on this rank; a depth's loss is weights * CE(labels, its
+    logits, at `rows` unless None).
+
+    labels, loss_mask (None: all ones): [b, s]. Without explicit targets depth k predicts the
+    labels rolled k times, weighted by the mask rolled k times (rows None, [b, s] each); with
+    them (MTP_TARGETS_ATTRIBUTE, item 8 above) depth k's rows [E] predict its labels [1, E]
+    with its weights [1, E].
+    """
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels)
+    targets = getattr(packed_seq_params, MTP_TARGETS_ATTRIBUTE, None)
+    if targets is None:
+        return _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs)
+    if len(targets) != num_layers:
+        raise ValueError(f"packed_seq_params.{MTP_TARGETS_ATTRIBUTE} holds {len(targets)} depths of targets; the "
+                         f"model has {num_layers} MTP layers")
+    counts = [loss_mask.sum()] + [weights.sum().to(loss_mask.dtype) for _, _, weights in targets]
+    return [(rows, target_labels[None], weights[None]) for rows, target_labels, weights in targets], counts
+
+
 def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
-    """Depth k predicts the labels rolled k times, under the mask rolled k times: ([labels
-    per depth], [masks per depth], [unrolled token count, then each depth's]) on this rank."""
-    depth_labels, depth_masks, counts = [], [], [loss_mask.sum()]
+    """Depth k predicts the labels rolled k times, under the mask rolled k times: ([(None,
+    labels, mask) per depth], [unrolled token count, then each depth's]) on this rank."""
+    depth_targets, counts = [], [loss_mask.sum()]
     for _ in range(num_layers):
         labels, _ = roll_tensor(labels, **roll_kwargs)
         loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
-        depth_labels.append(labels)
-        depth_masks.append(loss_mask)
+        depth_targets.append((None, labels, loss_mask))
         counts.append(num_tokens)
-    return depth_labels, depth_masks, counts
+    return depth_targets, counts
 
 def _sum_over(count, group):
     """Token counts (any shape) summed over `group` (a no-op outside torch.distributed or at size 1)."""
@@ -569,7 +582,8 @@ def _roll_source_index(cu_seqlens, cp_size, cp_rank, local_tokens, device):
         next_rank, next_offset = 0, offset + 1
         is_last = next_offset == local_length
     else:
-        # clamp: a slot outside every sequence may see an empty one (its result is discarded).
+        # cp_thd's zigzag layout, copied (see CHUNKS_PER_RANK). clamp: a slot outside every
+        # sequence may see an empty one (its result is discarded).
         chunk = (local_length // CHUNKS_PER_RANK).clamp(min=1)
         last_chunk = CHUNKS_PER_RANK * cp_size - 1
         in_front = offset < chunk

@@ -902,6 +902,30 @@ def test_mtp_patch_packed_roll_equals_megatrons_on_every_rank_and_catches_a_wron
         assert result["unpatched"] == (3, True)
 
 
+def test_mtp_patch_roll_index_map_agrees_with_cp_thd_zigzag_layout():
+    # mtp_patch keeps its own copy of the zigzag arithmetic (it imports no project module):
+    # each slot must read the next position of its sequence where cp_thd places it.
+    assert mtp_patch.CHUNKS_PER_RANK == cp_thd.CHUNKS_PER_RANK
+    for cp_size in (1, 2, 3, 4, 8):
+        for lengths, tp_size in (([1], 1), ([2 * cp_size - 1, 37], 1), ([5, 1, 16, 30, 3], 1), ([7, 2, 9], 3)):
+            layout = cp_thd.pack_thd(torch.zeros(sum(lengths), dtype=torch.int64), lengths, cp_size=cp_size,
+                                     tp_size=tp_size, sequence_parallel=tp_size > 1)
+            padded = layout.seqlens_padded
+            local_tokens = int(padded.sum()) // cp_size
+            sequence = torch.repeat_interleave(torch.arange(len(padded)), padded)
+            position = torch.arange(int(padded.sum())) - (padded.cumsum(0) - padded)[sequence]
+            is_last = position == padded[sequence] - 1
+            next_slot = cp_thd.zigzag_gathered_slot(padded, cp_size, sequence, torch.where(is_last, 0, position + 1))
+            expected = torch.empty_like(next_slot)
+            expected[cp_thd.zigzag_gathered_slot(padded, cp_size, sequence, position)] = torch.where(
+                is_last, cp_size * local_tokens, next_slot)
+            cu_seqlens = torch.nn.functional.pad(padded.cumsum(0), (1, 0)).to(torch.int32)
+            for rank in range(cp_size):
+                ours = mtp_patch._roll_source_index(cu_seqlens, cp_size, rank, local_tokens, torch.device("cpu"))
+                assert torch.equal(ours, expected[rank * local_tokens:(rank + 1) * local_tokens]), \
+                    (cp_size, lengths, tp_size, rank)
+
+
 # ---------------------------------------------------------------------------------------
 # spec_config: MTP speculative config merge and draft acceptance statistics
 # ---------------------------------------------------------------------------------------
@@ -4330,8 +4354,8 @@ CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 CUDA_FP32_TOLERANCE = 1e-4  # TF32 off; other kernels and reduction orders than the CPU's
 BF16_LOGPROB_MEAN_ERROR = 0.01
 BF16_GRADIENT_COSINE = 0.995
-# Each takes seconds; GLM-4.5 on an H200 had not finished after 3 minutes (2026-12-04, cause
-# not found in the device time left): the check stops there rather than wait for ever.
+# Each family takes seconds: a process still running at this limit is taken as hung (one such
+# case is in docs/GPU.md), and the check fails rather than wait for ever.
 CUDA_MOE_TIMEOUT_SECONDS = 180
 
 
