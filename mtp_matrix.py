@@ -1,4 +1,4 @@
-"""mtp_patch on six megatron-core releases: the measurements behind the tests and README's table.
+"""mtp_patch on six megatron-core releases: the measurements behind the tests and docs/MTP_MATRIX.md's table.
 
     .venv/bin/python -m pytest test_all.py -k mtp_patch  # runs every release, writes .cache/mtp_matrix.md
 
@@ -6,7 +6,7 @@ Each release runs in its own Python process with the release's unzipped wheel fi
 PYTHONPATH (0.17+ declare Python >= 3.12, but their pure-Python code runs on 3.11); the
 wheels are fetched once per machine into .cache/ (gitignored). One process per release
 builds the tiny models once and measures every behaviour unpatched and patched; the
-tests assert on those values, and the run writes the README's table to
+tests assert on those values, and the run writes the table to
 .cache/mtp_matrix.md. Tolerances: fp32 on CPU, 1e-5 relative where two computations
 differ in order (recompute, a hand-written reference loss); identities are exact.
 

@@ -2,7 +2,7 @@
 
 RL training with a multi-token-prediction (MTP) head needs an MTP path that upstream
 megatron-core gives only in some releases, and each release moves the API (see the table
-in README.md). `patch_megatron_mtp()` replaces three functions of megatron-core (two on
+in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megatron-core (two on
 0.14/0.15), so every GPTModel, built before or after, gets this behaviour:
 
 1. Decoupled MTP loss (`decouple=True`, the default): the MTP loss trains only the MTP
@@ -73,7 +73,8 @@ MTP_TARGETS_ATTRIBUTE = "mtp_targets"
 # Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
 # A copy of cp_thd.CHUNKS_PER_RANK, as `_roll_source_index`'s arithmetic is of
 # cp_thd.zigzag_gathered_slot's: this module imports no project module, so that it can be
-# copied alone. test_mtp_patch_roll_index_map_agrees_with_cp_thd_zigzag_layout keeps them equal.
+# copied alone. A test keeps them equal
+# (test_mtp_patch_roll_index_map_agrees_with_the_zigzag_layout_it_copies).
 CHUNKS_PER_RANK = 2
 # What megatron rolls in at the last position of each sequence.
 ROLL_FILL_VALUE = 0

@@ -705,7 +705,7 @@ def test_forward_mtp_targets_give_a_shared_slot_each_members_target_by_hand():
 
 @pytest.fixture(scope="module")
 def mtp_release_results():
-    """Measurements by release (mtp_matrix runs each in its own process); writes README's table."""
+    """Measurements by release (mtp_matrix runs each in its own process); writes docs/MTP_MATRIX.md's table."""
     return mtp_matrix.run_all_releases()
 
 
@@ -902,7 +902,7 @@ def test_mtp_patch_packed_roll_equals_megatrons_on_every_rank_and_catches_a_wron
         assert result["unpatched"] == (3, True)
 
 
-def test_mtp_patch_roll_index_map_agrees_with_cp_thd_zigzag_layout():
+def test_mtp_patch_roll_index_map_agrees_with_the_zigzag_layout_it_copies():
     # mtp_patch keeps its own copy of the zigzag arithmetic (it imports no project module):
     # each slot must read the next position of its sequence where cp_thd places it.
     assert mtp_patch.CHUNKS_PER_RANK == cp_thd.CHUNKS_PER_RANK
