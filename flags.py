@@ -47,7 +47,8 @@ DEFAULT_SAMPLING_ROUNDS = 4
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
                      "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "mtp_rollout",
                      "num_speculative_tokens", "max_speculative_tokens", "tune_every", "acceptance_check_every",
-                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes", "shared_prefix")
+                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes", "shared_prefix",
+                     "reward_timeout", "resume_with_changed_inputs")
 
 
 def usage_error(message):
@@ -132,6 +133,9 @@ def add_data_flags(p):
                         "per-token floats; or math: the final answer (GSM8K's '#### 72', \\boxed{}, fractions, "
                         "LaTeX) checked against the answer's with math-verify; default: per-character credit "
                         "(built-in task), exact match (--data)")
+    p.add_argument("--reward-timeout", type=NON_NEGATIVE, default=tasks.REWARD_TIMEOUT_S,
+                   help="seconds a --reward FILE.py:FUNCTION call may take before the run stops, with a checkpoint "
+                        "of the last completed step, naming the prompt (0: no limit)")
 
 
 def add_output_flags(p):
@@ -150,6 +154,10 @@ def add_output_flags(p):
                         "else start fresh (so torchrun --max-restarts survives a killed worker); never: start fresh "
                         "(refused if OUT holds checkpoints); or a checkpoint dir (OUT/checkpoints/step_N, or a run's "
                         "OUT/checkpoints for its newest)")
+    p.add_argument("--resume-with-changed-inputs", action="store_true",
+                   help="resume although --data, --eval-data or the --reward file differ in content from what the "
+                        "checkpoint's run read (refused by default: the data a run trains on, and its held-out set, "
+                        "would change mid-run)")
     p.add_argument("--save-every", type=POSITIVE_INT, default=50, help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=POSITIVE_INT, default=2,
                    help="how many of the newest checkpoints to keep")
@@ -487,6 +495,21 @@ def resume_flag_changes(resume_dir, run_settings):
         raise usage_error(f"--resume {run_settings.resume}: {resume_dir} is another run: {described(refused)}; "
                           "resume with the values it was saved with, or pass --resume never and another --out")
     return described(changed)
+
+
+def refuse_changed_inputs(resume_dir, run_settings, digests):
+    """Refuse (`usage_error`) to resume from `resume_dir` when a file its run read differs in
+    content from today's: `digests` and the checkpoint's meta map each of --data, --eval-data
+    and --reward to its file's sha256. --resume-with-changed-inputs lets it through."""
+    saved = checkpoint.read_meta(resume_dir).get("inputs")
+    if saved is None or run_settings.resume_with_changed_inputs:
+        return
+    changed = [flag for flag in sorted(set(saved) | set(digests)) if saved.get(flag) != digests.get(flag)]
+    if changed:
+        files = ", ".join(f"{flag} {getattr(run_settings, flag[2:].replace('-', '_'))!r}" for flag in changed)
+        raise usage_error(f"--resume {run_settings.resume}: {files} changed in content since {resume_dir} was "
+                          "saved; resume with the files that run read, or pass --resume-with-changed-inputs to "
+                          "train on the new ones")
 
 
 

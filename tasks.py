@@ -41,6 +41,7 @@ import numbers
 import os
 import random
 import threading
+import time
 
 # The repeat task's prompts are letter pairs: "repeat:ab" -> "aba", the pair repeated to
 # the answer length. The pairs held out for evaluation are combinations no training prompt
@@ -72,6 +73,9 @@ DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 EVAL_HOLDOUT_FRACTION = 0.1
 EVAL_HOLDOUT_MAX = 256
 NUMERIC_TOLERANCE = 1e-6
+# --reward-timeout's default: a local reward returns in well under a second, a remote judge
+# within a minute or two even with retries; one past five minutes is stuck.
+REWARD_TIMEOUT_S = 300.0
 SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
 
 
@@ -409,15 +413,17 @@ def load_reward_function(spec):
     return function
 
 
-def credit_function(tokenizer, task=None, count_step=1, reward_spec=None):
+def credit_function(tokenizer, task=None, count_step=1, reward_spec=None, timeout_s=REWARD_TIMEOUT_S,
+                    interrupted=None):
     """The scorer of a run: credit(sample) -> [floats], one per response token (per-token
     credit) or a single one (a sequence reward).
 
     sample: {example: {prompt, answer}, prompt_ids, response_ids, text}. `reward_spec`
     (MATH_REWARD, or "FILE.py:FUNCTION"; load_reward_function) wins; else `task`
     ("repeat", "count") scores per token; else (a data file) exact match. A user's reward
-    that raises or returns anything but finite floats is an InputError naming the prompt,
-    the response and the value.
+    that raises (SystemExit included), runs past `timeout_s` seconds (0: no limit) or
+    returns anything but finite floats is an InputError naming the prompt, the response
+    and the value; `interrupted()` true while it runs (a stop signal) is RewardInterrupted.
     """
     if reward_spec is None:
         if task == "count":
@@ -430,22 +436,67 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None):
             return lambda sample: token_credits(sample["response_ids"], answer_ids(sample["example"]["answer"]))
         return lambda sample: [exact_match_reward(sample["text"], sample["example"]["answer"])]
     reward_function = load_reward_function(reward_spec)
-    return functools.partial(_user_credits, reward_function, reward_spec)
+    if reward_spec == MATH_REWARD:
+        # math-verify keeps its own deadlines, on the main thread.
+        timeout_s = None
+    return functools.partial(_user_credits, reward_function, reward_spec, timeout_s, interrupted)
 
 
-def _user_credits(reward_function, reward_spec, sample):
+def _user_credits(reward_function, reward_spec, timeout_s, interrupted, sample):
     example, response = sample["example"], sample["text"]
     where = f"--reward {reward_spec} on prompt {str(example['prompt'])[:80]!r}, response {response[:80]!r}"
-    try:
-        value = reward_function(example["prompt"], response, example["answer"])
-    except Exception as error:
-        raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights changed") \
-            from error
+    value = call_reward(reward_function, (example["prompt"], response, example["answer"]), where, timeout_s,
+                        interrupted)
     values = reward_values(value, where)
     if isinstance(value, (list, tuple)) and len(values) != len(sample["response_ids"]):
         raise InputError(f"{where} returned {len(values)} per-token rewards for {len(sample['response_ids'])} "
                          "response tokens; expected one per token or a single float")
     return values
+
+
+class RewardInterrupted(Exception):
+    """A stop signal arrived while a reward function ran: the run stops, the call is abandoned."""
+
+
+# How often a wait on a reward function looks at the clock and for a stop signal.
+REWARD_POLL_S = 0.05
+
+
+def call_reward(reward_function, args, where, timeout_s=REWARD_TIMEOUT_S, interrupted=None):
+    """reward_function(*args), where a run can still stop: on a daemon thread, waited on for
+    at most `timeout_s` seconds (None: called here, unguarded; 0: no limit). An exception,
+    SystemExit included, or a call past the limit is an InputError naming `where`;
+    `interrupted()` turning true while it runs is RewardInterrupted. A call that never
+    returns is abandoned on its thread (Python cannot stop a thread), which cannot hold the
+    process at exit."""
+    if timeout_s is None:
+        try:
+            return reward_function(*args)
+        except (Exception, SystemExit) as error:
+            raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights "
+                             "changed") from error
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = reward_function(*args)
+        except BaseException as error:  # SystemExit and KeyboardInterrupt too: said, not silent
+            outcome["error"] = error
+    worker = threading.Thread(target=call, name="reward", daemon=True)
+    deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+    worker.start()
+    while worker.is_alive():
+        worker.join(min(REWARD_POLL_S, max(0.0, deadline - time.monotonic())))
+        if worker.is_alive() and interrupted is not None and interrupted():
+            raise RewardInterrupted(f"{where}: a stop signal arrived while it ran")
+        if worker.is_alive() and time.monotonic() >= deadline:
+            raise InputError(f"{where} did not return within --reward-timeout {timeout_s:g} s; stopped (raise "
+                             "--reward-timeout for a slower reward, 0 for no limit)")
+    if "error" in outcome:
+        error = outcome["error"]
+        raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights changed") \
+            from error
+    return outcome["value"]
 
 
 def reward_values(value, where):
@@ -458,18 +509,16 @@ def reward_values(value, where):
     return [float(v) for v in values]
 
 
-def try_reward(reward_spec, example):
+def try_reward(reward_spec, example, timeout_s=REWARD_TIMEOUT_S):
     """Call the reward once, before any work, on `example` with its own answer as the
     response: a reward that raises or returns no number is refused now, not at step 1, and
     so is MATH_REWARD on an answer it does not score 1.0 against itself (one math-verify
     cannot parse would score every response 0: a run that learns nothing)."""
     reward_function = load_reward_function(reward_spec)
-    where = f"--reward {reward_spec} on prompt {str(example['prompt'])[:80]!r}, response {example['answer'][:80]!r}"
-    try:
-        value = reward_function(example["prompt"], example["answer"], example["answer"])
-    except Exception as error:
-        raise InputError(f"{where} (the example's own answer, tried before any work) raised "
-                         f"{type(error).__name__}: {error}") from error
+    where = (f"--reward {reward_spec} on prompt {str(example['prompt'])[:80]!r}, response {example['answer'][:80]!r} "
+             "(the example's own answer, tried before any work)")
+    value = call_reward(reward_function, (example["prompt"], example["answer"], example["answer"]), where,
+                        None if reward_spec == MATH_REWARD else timeout_s)
     if reward_values(value, where) != [1.0] and reward_spec == MATH_REWARD:
         raise InputError(f"{where}: math-verify finds no answer in {example['answer'][-80:]!r} equal to itself; "
                          "expected an answer it parses (a number, a fraction, LaTeX, \\boxed{...} or a solution "

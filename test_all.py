@@ -1753,6 +1753,28 @@ def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
     tasks.try_reward(f"{path}:numpy_half", {"prompt": "p", "answer": "x"})
 
 
+def test_tasks_reward_call_is_bounded_in_time_and_says_every_way_it_ends():
+    def slow(*_):
+        time.sleep(30)
+
+    def exits(*_):
+        sys.exit(3)
+    assert tasks.call_reward(lambda *args: sum(args), (1, 2, 3), "here", timeout_s=5) == 6
+    started = time.monotonic()
+    with pytest.raises(tasks.InputError, match=r"^here did not return within --reward-timeout 0\.2 s; stopped"):
+        tasks.call_reward(slow, (), "here", timeout_s=0.2)
+    assert time.monotonic() - started < 10
+    # SystemExit in a reward is said like any exception, with or without the time limit.
+    for timeout_s in (5, None):
+        with pytest.raises(tasks.InputError, match=r"^here raised SystemExit: 3; stopped before the weights"):
+            tasks.call_reward(exits, (), "here", timeout_s=timeout_s)
+    # A stop signal while a reward runs ends the wait: the run can stop with a checkpoint.
+    signalled = time.monotonic() + 0.2
+    with pytest.raises(tasks.RewardInterrupted, match="^here: a stop signal arrived while it ran"):
+        tasks.call_reward(slow, (), "here", timeout_s=0, interrupted=lambda: time.monotonic() > signalled)
+    assert time.monotonic() - started < 20
+
+
 def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARD_FILE)
@@ -3699,15 +3721,67 @@ def raises(prompt, response, answer):
 
 def not_finite(prompt, response, answer):
     return float("nan")
+
+def counted(prompt, response, answer):
+    # One line per call in a file of this process's rank: who scored what, how often.
+    import os
+    with open(os.path.join(os.path.dirname(__file__), f"calls.{os.environ['RANK']}"), "a") as f:
+        print(repr(response), file=f)
+    return response.count("a") / max(len(response), 1)
 """
+
+
+LATE_REWARD = """
+import os, time
+CALLS = []
+
+def late(prompt, response, answer):
+    # Rank 1 hangs at its first completion of step 3 (after the check before any work and
+    # steps 1 and 2, 16 completions each per rank), as a judge that stops answering does.
+    CALLS.append(1)
+    if os.environ["RANK"] == "1" and len(CALLS) > 1 + 2 * 16:
+        time.sleep(3600)
+    return response.count("a") / max(len(response), 1)
+"""
+
+
+def test_train_grpo_reward_that_hangs_late_on_one_rank_saves_the_last_step_and_resumes_once_fixed(tmp_path):
+    """A reward that stops answering on rank 1 at step 3: --reward-timeout ends the wait, every
+    rank stops naming the rank and the prompt, and step 2 is saved (--save-every would not
+    have); the fixed reward file is refused on resume until the user says it changed."""
+    rewards, out = tmp_path / "rewards.py", str(tmp_path / "run")
+    rewards.write_text(LATE_REWARD)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py", "--out", out,
+               "--steps", "3", "--prompts-per-step", "2", "--eval-every", "10", "--save-every", "100",
+               "--num-speculative-tokens", "1", "--reward", f"{rewards}:late", "--reward-timeout", "2"]
+    hung = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    said = re.findall(r"train_grpo\.py: rank 1: --reward \S+ on prompt '[^']+', response '[^']*' did not return "
+                      r"within --reward-timeout 2 s; stopped .*; the checkpoint of step 2 is in", hung.stderr)
+    assert hung.returncode != 0 and len(said) == 1, hung.stderr[-3000:]
+    newest = checkpoint.checkpoint_dirs(os.path.join(out, "checkpoints"))[0]
+    assert newest.endswith("step_000002") and checkpoint.checkpoint_problem(newest) is None
+    rewards.write_text(LATE_REWARD.replace("time.sleep(3600)", "pass"))
+    refused = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert refused.returncode != 0 and refused.stderr.count(f"--reward '{rewards}:late' changed in content since "
+                                                            f"{newest} was saved") == 1, refused.stderr[-3000:]
+    resumed = subprocess.run(command + ["--resume-with-changed-inputs"], cwd=REPO_DIR, capture_output=True,
+                             text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
 
 
 def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARD_FILE)
     records, stdout = _train(str(tmp_path / "run"), "--steps", "2", "--eval-every", "1", "--reward",
-                             f"{path}:letter_a")
+                             f"{path}:counted")
     assert [r["step"] for r in records] == [1, 2] and "eval acc" in stdout
+    # Each completion scored once, on one rank (a paid judge is called once per completion):
+    # 2 steps x 256 completions, half per rank; 2 evaluations of 5 held-out prompts, 3 and 2;
+    # and each process's check of the reward before any work.
+    calls = [len((tmp_path / f"calls.{rank}").read_text().splitlines()) for rank in (0, 1)]
+    assert calls == [1 + 256 + 2 * 3, 1 + 256 + 2 * 2], calls
     for record in records:
         # letter_a gives a fraction in [0, 1]; per-character credit would give multiples of 1/3.
         assert 0 <= record["reward_mean"] <= 1 and 0 <= record["eval_reward_mean"] <= 1

@@ -23,7 +23,9 @@ Metrics: OUT/metrics.jsonl, TensorBoard under OUT/tensorboard, curves.png and
 acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in OUT/final.
 """
 
+import copy
 import dataclasses
+import hashlib
 import os
 import random
 import signal
@@ -75,8 +77,21 @@ def load_inputs(run_settings):
     examples, held_out = tasks.split_examples(load(s.data, "--data"), load(s.eval_data, "--eval-data"), s.seed,
                                               s.task, s.count_step)
     if s.reward:
-        tasks.try_reward(s.reward, examples[0])
+        tasks.try_reward(s.reward, examples[0], s.reward_timeout)
     return examples, held_out
+
+
+def input_digests(run_settings):
+    """{flag: sha256 of its file} for --data, --eval-data and the --reward file: a resumed run
+    must find them as the checkpoint's run left them (flags.refuse_changed_inputs)."""
+    s = run_settings
+    reward_file = s.reward.rpartition(":")[0] if s.reward and s.reward != tasks.MATH_REWARD else None
+    digests = {}
+    for flag, path in (("--data", s.data), ("--eval-data", s.eval_data), ("--reward", reward_file)):
+        if path:
+            with open(path, "rb") as f:
+                digests[flag] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
 
 
 # ---------------------------------------------------------------------------------------
@@ -102,7 +117,7 @@ def sample_batch(run, step, examples_now, params):
         if not sampling_round:
             # The drafting metrics and the probe are the step's first rollout's.
             acceptance, probe = round_acceptance, round_probe
-        rows = credit_rows(samples, run.credit, s)
+        rows = credit_rows(samples, run.credit, s, step - 1, run.stop)
         means = torch.tensor([sum(row) / len(row) for row in rows])
         informative = grpo_loss.informative_groups(means, s.group_size).tolist()
         informative_count += sum(informative)
@@ -124,10 +139,41 @@ def sample_batch(run, step, examples_now, params):
     return samples, rewards, acceptance, metrics
 
 
-def credit_rows(samples, credit, settings):
-    """Each sample's credits ([floats]: per token, or one for the sequence), with DAPO's
-    soft overlong punishment (--overlong-buffer) added to each."""
-    rows = [refusing(credit, sample) for sample in samples]
+class RewardFailure(Exception):
+    """A reward that failed while scoring, the same on every rank: the message names the rank,
+    the prompt and the error; `signum` is the stop signal that cut it short (0: none) and
+    `completed` the last step whose weights are the current ones."""
+
+    def __init__(self, message, signum, completed):
+        super().__init__(message)
+        self.signum, self.completed = signum, completed
+
+
+def score(samples, credit, completed, stop=None):
+    """Each sample's credits ([floats]), on every rank, each sample scored once: rank r scores
+    samples r, r + world size, ... (a paid judge is called once per completion) and the
+    rows are shared. A reward that fails on any rank is a RewardFailure on every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine, failure, signum = {}, None, 0
+    for index in range(rank, len(samples), world_size):
+        try:
+            mine[index] = credit(samples[index])
+        except (tasks.InputError, tasks.RewardInterrupted) as error:
+            failure, signum = f"rank {rank}: {error}", stop.signum if stop is not None else 0
+            break
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (mine, failure, signum))
+    failures = [(failure, signum) for _, failure, signum in gathered if failure]
+    if failures:
+        raise RewardFailure(failures[0][0], max(signum for _, signum in failures), completed)
+    rows = {index: row for part, _, _ in gathered for index, row in part.items()}
+    return [rows[index] for index in range(len(samples))]
+
+
+def credit_rows(samples, credit, settings, completed=0, stop=None):
+    """Each sample's credits ([floats]: per token, or one for the sequence; `score`), with
+    DAPO's soft overlong punishment (--overlong-buffer) added to each."""
+    rows = score(samples, credit, completed, stop)
     if not settings.overlong_buffer:
         return rows
     lengths = torch.tensor([len(sample["response_ids"]) for sample in samples])
@@ -173,12 +219,13 @@ def sync_weights(engines, policy, step):
     rollout.push_weights(engines, engines.active(), policy.model, step)
 
 
-def evaluate(llm, held_out, tokenizer, credit, settings, rank):
-    """Greedy completions of the held-out examples, scored like training's:
+def evaluate(run, step):
+    """Greedy completions of the held-out examples after `step`, scored like training's:
     {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
-    params = rollout.sampling_params(1, 0.0, settings.max_new_tokens, ignore_eos=settings.data is None)
-    samples, _, _ = rollout.rollout(llm, tokenizer, held_out, params, settings.rollout_tp, rank)
-    rewards = torch.tensor([sum(row) / len(row) for row in (refusing(credit, sample) for sample in samples)])
+    s = run.settings
+    params = rollout.sampling_params(1, 0.0, s.max_new_tokens, ignore_eos=s.data is None)
+    samples, _, _ = rollout.rollout(run.engines.active(), run.tokenizer, run.held_out, params, s.rollout_tp, run.rank)
+    rewards = torch.tensor([sum(row) / len(row) for row in score(samples, run.credit, step, run.stop)])
     return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
             "eval_response_length": sum(len(s["response_ids"]) for s in samples) / len(samples)}
 
@@ -221,6 +268,12 @@ class Run:
     start_step: int
     model_dir: str
     lock: object = None  # rank 0's hold on OUT/.lock
+    stop: checkpoint.StopRequest = None
+    inputs: dict = None  # input_digests: what a resume must find unchanged
+    params: object = None  # the rollout's SamplingParams
+    check_params: object = None  # auto's acceptance check's
+    train_config: trainer.TrainConfig = None
+    tuner_before_step: dict = None  # auto's tuner as the step under way found it
 
 
 def header(run, args):
@@ -243,7 +296,7 @@ def header(run, args):
                                                             else "")])
 
 
-def start(run_settings, resume_dir, examples, held_out):
+def start(run_settings, resume_dir, examples, held_out, stop, inputs):
     """Process group, tokenizer, policy, engines and checkpoint: the run before step 1."""
     s = run_settings
     rank, world_size, device = init_distributed()
@@ -257,14 +310,18 @@ def start(run_settings, resume_dir, examples, held_out):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if s.data:
         refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
-    credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward)
+    credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
+                      s.reward_timeout, lambda: stop.signum != 0)
     init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed)
     mtp_patch.patch_megatron_mtp()
     policy = trainer.build_policy(model_dir, flags.train_config(s))
     engines = rollout.build_engines(model_dir, flags.rollout_config(s), rank)
     start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
+    params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.data is None)
+    check_params = rollout.sampling_params(s.group_size, s.temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
+                                           ignore_eos=True)
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
-               model_dir, lock)
+               model_dir, lock, stop, inputs, params, check_params, flags.train_config(s))
 
 
 def lock_out(out, rank):
@@ -299,12 +356,14 @@ def load_state(directory, policy, engines, rank, lr):
     return state["step"]
 
 
-def save_state(run, step):
+def save_state(run, step, tuner_state=None):
+    """Every rank's checkpoint of the run after `step`; `tuner_state` is auto's tuner's
+    state then, where the tuner has moved on since (default: its state now)."""
     state = {"model": run.policy.model.state_dict(), "optimizer": run.policy.optimizer.state_dict(), "step": step}
     if run.engines.tuner is not None:
         # Its tries and acceptance: the resumed run drafts as the uninterrupted one would.
-        state["draft_tuner"] = run.engines.tuner.state_dict()
-    meta = dict(run_layout(run.settings, run.world_size), flags=vars(run.settings))
+        state["draft_tuner"] = tuner_state or run.engines.tuner.state_dict()
+    meta = dict(run_layout(run.settings, run.world_size), flags=vars(run.settings), inputs=run.inputs)
     refusing(checkpoint.save_checkpoint, run.settings.out, step, state, meta, run.settings.keep_checkpoints, run.rank)
 
 
@@ -343,47 +402,22 @@ def main(args):
     s = flags.check_args(args, world_size)
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
     changed = flags.resume_flag_changes(resume_dir, s) if resume_dir else ""
+    inputs = input_digests(s)
+    if resume_dir:
+        flags.refuse_changed_inputs(resume_dir, s, inputs)
     examples, held_out = refusing(load_inputs, s)
     # SIGTERM / SIGINT from here on: stop after the step under way, with a checkpoint.
     stop = checkpoint.StopRequest()
-    run = start(s, resume_dir, examples, held_out)
-    engines, policy, tokenizer, rank = run.engines, run.policy, run.tokenizer, run.rank
-    params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.data is None)
-    check_params = rollout.sampling_params(s.group_size, s.temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
-                                           ignore_eos=True)
-    per_rank, train_config = s.prompts_per_step * s.group_size, flags.train_config(s)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    run = start(s, resume_dir, examples, held_out, stop, inputs)
     metrics_path, records, writer, wandb_run = open_outputs(run, resume_dir, args, changed)
     started = time.time()
 
     for step in range(run.start_step + 1, s.steps + 1):
-        timer = run_log.PhaseTimer()
-        # Prompts: the same examples on every rank, from (seed, step) alone
-        examples_now = tasks.sample_prompts(examples, step, s.prompts_per_step * dp_size, s.seed)
-        # Tune: how many tokens the MTP head drafts in this rollout (auto)
-        with timer("tune"):
-            checked, tried = rollout.tune_draft_tokens(engines, policy.model, tokenizer, examples_now, step,
-                                                       check_params, s.acceptance_check_every, s.tune_every, rank)
-        # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting;
-        # rewards and GRPO advantages (--dynamic-sampling: more rollouts for informative groups)
-        with timer("rollout"):
-            samples, rewards, acceptance, sampling = sample_batch(run, step, examples_now, params)
-        # The policy loss on this data-parallel rank's share
-        with timer("train"):
-            train_sums = trainer.train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], train_config)
-        # Sync: the new weights, MTP draft included, into vLLM
-        with timer("sync"):
-            sync_weights(engines, policy, step)
-        # Evaluate: greedy on the held-out set, every --eval-every steps and after the last
-        eval_metrics = {}
-        if step % s.eval_every == 0 or step == s.steps:
-            with timer("eval"):
-                eval_metrics = evaluate(engines.active(), held_out, tokenizer, run.credit, s, rank)
-        # Log and checkpoint
-        record = run_log.step_record(step, samples, rewards, trainer.reduce_metrics(train_sums, run.device),
-                                     draft_record(engines, acceptance, checked, tried), eval_metrics, timer.seconds)
-        record.update(sampling)
-        if rank == 0:
+        try:
+            record = run_step(run, step)
+        except RewardFailure as failure:
+            raise stopped_by_reward(run, step, failure)
+        if run.rank == 0:
             records.append(record)
             run_log.log_step(record, metrics_path, writer, s.steps, time.time() - started, step - run.start_step,
                              wandb_run)
@@ -395,6 +429,57 @@ def main(args):
 
     finish(run, records, (writer, wandb_run), time.time() - started)
     return records
+
+
+def run_step(run, step):
+    """One training step, a call per phase; returns its metrics record. A reward that fails
+    is a RewardFailure, on every rank."""
+    s, engines, policy, timer = run.settings, run.engines, run.policy, run_log.PhaseTimer()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    per_rank = s.prompts_per_step * s.group_size
+    # What a checkpoint of the step before holds, should this one stop at its rewards.
+    run.tuner_before_step = copy.deepcopy(engines.tuner.state_dict()) if engines.tuner is not None else None
+    # Prompts: the same examples on every rank, from (seed, step) alone
+    examples_now = tasks.sample_prompts(run.examples, step, s.prompts_per_step * dp_size, s.seed)
+    # Tune: how many tokens the MTP head drafts in this rollout (auto)
+    with timer("tune"):
+        checked, tried = rollout.tune_draft_tokens(engines, policy.model, run.tokenizer, examples_now, step,
+                                                   run.check_params, s.acceptance_check_every, s.tune_every, run.rank)
+    # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting;
+    # rewards and GRPO advantages (--dynamic-sampling: more rollouts for informative groups)
+    with timer("rollout"):
+        samples, rewards, acceptance, sampling = sample_batch(run, step, examples_now, run.params)
+    # The policy loss on this data-parallel rank's share
+    with timer("train"):
+        train_sums = trainer.train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], run.train_config)
+    # Sync: the new weights, MTP draft included, into vLLM
+    with timer("sync"):
+        sync_weights(engines, policy, step)
+    # Evaluate: greedy on the held-out set, every --eval-every steps and after the last
+    eval_metrics = {}
+    if step % s.eval_every == 0 or step == s.steps:
+        with timer("eval"):
+            eval_metrics = evaluate(run, step)
+    record = run_log.step_record(step, samples, rewards, trainer.reduce_metrics(train_sums, run.device),
+                                 draft_record(engines, acceptance, checked, tried), eval_metrics, timer.seconds)
+    record.update(sampling)
+    return record
+
+
+def stopped_by_reward(run, step_under_way, failure):
+    """The SystemExit of a run whose reward failed (`failure`, a RewardFailure) in the step
+    under way: the last completed step saved first, unless a checkpoint of it exists. A
+    failure in the rollout leaves the weights of the step before; auto's tuner goes back to
+    where that step left it."""
+    s, step = run.settings, failure.completed
+    saved = step == run.start_step or step % s.save_every == 0
+    if step and not saved:
+        save_state(run, step, run.tuner_before_step if step < step_under_way else None)
+    kept = (f"the checkpoint of step {step} is in {os.path.join(s.out, checkpoint.CHECKPOINTS_DIR)}, and the same "
+            "command resumes from it" if step else "no step had completed")
+    if failure.signum:
+        return stopped(run, step, failure.signum)
+    return usage_error(f"{failure}; {kept}")
 
 
 def stopped(run, step, signum):
