@@ -1541,6 +1541,62 @@ def test_grpo_loss_informative_groups_by_hand():
         grpo_loss.informative_groups(rewards.view(6, 2), 2)
 
 
+def _textbook_advantages(rewards, group_size, mode):
+    """group_advantages without its equal-group rule: the mean/std formulas in fp32."""
+    grouped = rewards.view(-1, group_size, *rewards.shape[1:])
+    if mode == "leave-one-out":
+        return (grouped - (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)).view(rewards.shape)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    if mode == "mean-only":
+        return centred.view(rewards.shape)
+    return (centred / (grouped.std(1, keepdim=True) + grpo_loss.ADVANTAGE_EPS)).view(rewards.shape)
+
+
+def test_grpo_loss_equal_non_dyadic_rewards_get_exactly_zero_advantage():
+    # fp32 rounding made 8 or 16 rewards of 0.7 come out at advantages up to 0.056.
+    for group_size in (8, 16):
+        for value in (0.7, 0.3, 0.1):
+            rewards = torch.full((2 * group_size,), value)
+            rewards[group_size:] = torch.arange(group_size) % 2
+            for mode in grpo_loss.ADVANTAGE_MODES:
+                advantages = grpo_loss.group_advantages(rewards, group_size, mode)
+                assert advantages[:group_size].tolist() == [0.0] * group_size, (group_size, value, mode)
+                assert advantages[group_size:].abs().min() > 0.4
+    # Per-token credits: a position where the group agrees gets 0, the others keep theirs.
+    credits = torch.tensor([[0.7, 1.0], [0.7, 0.0], [0.7, 0.5], [0.7, 0.5]])
+    advantages = grpo_loss.group_advantages(credits, 4, "grpo")
+    assert advantages[:, 0].tolist() == [0.0] * 4 and advantages[0, 1] > 0
+    # Every group that is not all equal keeps the fp32 formula's values bit for bit.
+    generator = torch.Generator().manual_seed(0)
+    for group_size in (2, 4, 8, 16):
+        for rewards in (torch.randint(0, 2, (group_size * 64,), generator=generator).float(),
+                        torch.rand(group_size * 64, generator=generator),
+                        torch.rand(group_size * 16, 5, generator=generator)):
+            for mode in grpo_loss.ADVANTAGE_MODES:
+                torch.testing.assert_close(grpo_loss.group_advantages(rewards, group_size, mode),
+                                           _textbook_advantages(rewards, group_size, mode), **EXACT)
+
+
+def test_grpo_loss_k3_kl_is_bounded_at_ten_as_verl():
+    # x = log p_ref - log p: 1 is inside (e - 2), 5 and -15 are past k3 = 10, 40 past the log bound.
+    x = torch.tensor([1.0, 5.0, -15.0, 40.0, 0.0])
+    logprobs = torch.zeros(5, requires_grad=True)
+    k3 = grpo_loss.k3_kl(logprobs, x)
+    torch.testing.assert_close(k3, torch.tensor([math.e - 2, 10.0, 10.0, 10.0, 0.0]))
+    k3.sum().backward()
+    # d k3 / d log p = 1 - exp(x) inside the bounds; none where a bound holds.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([1 - math.e, 0.0, 0.0, 0.0, 0.0]))
+
+
+def test_grpo_loss_sequence_rollout_mask_drops_a_sequence_with_an_infinite_log_ratio():
+    # One token of a 40-token sequence has a -inf rollout log-prob (r = inf): bounding its
+    # log r at 20 as verl does would give a geometric mean of e^0.5 and keep the sequence.
+    old, rollout = torch.zeros(40), torch.zeros(40)
+    rollout[7] = -float("inf")
+    mask, index = torch.ones(40), torch.zeros(40, dtype=torch.int64)
+    assert grpo_loss.rollout_mask(old, rollout, mask, index, 1, "sequence", 0.5, 5.0).sum() == 0
+
+
 # ---------------------------------------------------------------------------------------
 # tasks: built-in tasks, data files, chat prompts and rewards
 # ---------------------------------------------------------------------------------------
