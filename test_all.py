@@ -1623,8 +1623,9 @@ def test_tasks_credits_rewards_and_bad_input(tmp_path):
     with pytest.raises(tasks.InputError, match="row 2"):
         tasks.load_examples(str(bad))
     with pytest.raises(tasks.InputError, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
-        tasks.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}],
-                                 SimpleNamespace(encode=list, chat_template=None), 8, 4)
+        tasks.check_prompts([{"prompt": "a long prompt", "answer": "a"}, {"prompt": "ok", "answer": "b"}],
+                            SimpleNamespace(encode=lambda text, **_: list(text), decode="".join, chat_template=None,
+                                            name_or_path="characters"), 8, 4)
 
 
 def test_tasks_held_out_prompts_are_never_sampled_for_training():
@@ -1716,6 +1717,78 @@ def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
     tasks.try_reward(f"{path}:numpy_half", {"prompt": "p", "answer": "x"})
 
 
+def test_tasks_data_file_edge_cases_text_parquet_nan_answer_bom_and_infinite_answers(tmp_path):
+    # A .parquet that is really JSON lines: refused naming the flag and the file, no pyarrow traceback.
+    text = tmp_path / "train.parquet"
+    text.write_text('{"prompt": "a", "answer": "b"}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(text), flag="--eval-data")
+    assert str(refused.value).startswith(f"--eval-data {text}: not a Parquet file pyarrow can read (")
+    # "answer": NaN (JSON's NaN, or a float NaN in a Parquet column) matches no response.
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "a", "answer": NaN}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(nan))
+    assert str(refused.value) == (f"--data {nan}: row 2: 'answer' is NaN, which no response can equal; expected a "
+                                  "string or a number")
+    nan_column = _write_parquet(tmp_path / "nan.parquet", [{"prompt": "a", "answer": 1.5},
+                                                           {"prompt": "b", "answer": float("nan")}])
+    with pytest.raises(tasks.InputError, match="nan.parquet: row 2: 'answer' is NaN"):
+        tasks.load_examples(nan_column)
+    # A JSONL file saved as "UTF-8 with BOM" is read.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "b"}\n')
+    assert [(e["prompt"], e["answer"]) for e in tasks.load_examples(str(bom))] == [("a", "b")]
+    # Equal infinities match numerically; NaN matches nothing.
+    assert tasks.exact_match_reward("inf", "inf") == 1.0
+    assert tasks.exact_match_reward(" -Infinity", "-inf") == 1.0
+    assert tasks.exact_match_reward("inf", "-inf") == tasks.exact_match_reward("nan", "nan") == 0.0
+    assert tasks.exact_match_reward("4.0000001", "4") == 1.0
+
+
+def test_tasks_eval_data_in_the_other_layout_is_refused_naming_both_files(tmp_path):
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n')
+    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
+    training, held_out = tasks.load_examples(verl), tasks.load_examples(str(ours), flag="--eval-data")
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.split_examples(training, held_out, 0, "repeat")
+    assert str(refused.value) == (f"--data {verl} has prompts as chat messages (templated) but --eval-data {ours} "
+                                  "as strings (not templated); expected both in one layout (ours: \"prompt\" a "
+                                  "string; verl's: a list of {role, content} messages)")
+    with pytest.raises(tasks.InputError, match=f"--data {ours} has prompts as strings .* but --eval-data {verl} as"):
+        tasks.split_examples(tasks.load_examples(str(ours)), tasks.load_examples(verl, flag="--eval-data"), 0, None)
+    assert tasks.split_examples(training, training[:1], 0, "repeat") == (training, training[:1])
+
+
+def test_tasks_prompts_checked_once_empty_encodings_refused_dropped_characters_named(tiny_checkpoint, tmp_path,
+                                                                                     capsys):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"prompt": "repeat:a", "answer": "aaa"}, {"prompt": "héllo 😀 世界", "answer": "hllo"},
+        {"prompt": "repeat:b", "answer": "é"}, {"prompt": "😀 世界", "answer": "x"})))
+    examples = tasks.load_examples(str(data))
+    # The built-in tokenizer has no token for 😀 or 世界: the fourth prompt encodes to nothing,
+    # which vLLM would refuse when that row is first sampled.
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.check_prompts(examples, tokenizer, 1024, 3)
+    assert str(refused.value) == (f"--data {data}: row 4: the prompt '😀 世界' encodes to no token with "
+                                  f"{tiny_checkpoint}'s tokenizer; expected text in its vocabulary")
+    capsys.readouterr()
+    # Dropped characters of a prompt, and an answer no response can hold: one warning each.
+    tasks.check_prompts(examples[:3], tokenizer, 1024, 3)
+    assert capsys.readouterr().err.splitlines() == [
+        f"train_grpo.py: warning: 1 prompt(s) hold characters that {tiny_checkpoint}'s tokenizer drops (the policy "
+        f"never sees them); first: --data {data}: row 2, 'é世界😀' in 'héllo 😀 世界'",
+        f"train_grpo.py: warning: 1 answer(s) hold characters that {tiny_checkpoint}'s tokenizer can never produce "
+        f"(no response can match them exactly); first: --data {data}: row 3, 'é' in 'é'"]
+    # Whitespace the built-in tokenizer drops is a documented limit, not warned about.
+    tasks.check_prompts([{"prompt": "2 + 2 =", "answer": "4 0"}], tokenizer, 1024, 3)
+    assert capsys.readouterr().err == ""
+
+
 def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARD_FILE)
@@ -1747,15 +1820,17 @@ def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tm
 def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
     ours = tmp_path / "ours.jsonl"
     ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
-    assert tasks.load_examples(str(ours)) == [{"prompt": "repeat:a", "answer": "aaa"},
-                                                   {"prompt": "2+2=", "answer": "4"}]
+    assert tasks.load_examples(str(ours)) == [
+        {"prompt": "repeat:a", "answer": "aaa", "source": f"--data {ours}", "row": 1},
+        {"prompt": "2+2=", "answer": "4", "source": f"--data {ours}", "row": 3}]
     verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
     assert tasks.load_examples(verl) == [
-        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa"},
-        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb"}]
+        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa", "source": f"--data {verl}", "row": 1},
+        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb", "source": f"--data {verl}", "row": 2}]
     # Other layouts: a column and a dotted path into a nested field.
     custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
-    assert tasks.load_examples(custom, "question", "meta.solution") == [{"prompt": "1+1=", "answer": "2"}]
+    assert tasks.load_examples(custom, "question", "meta.solution") == [
+        {"prompt": "1+1=", "answer": "2", "source": f"--data {custom}", "row": 1}]
     # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
     missing = tmp_path / "missing.jsonl"
     missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
@@ -1794,12 +1869,13 @@ def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_chec
     # A string prompt: the ids vLLM got for it before prompts were tokenised here.
     assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
     # The length check counts the templated tokens.
-    tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
+    example = {"prompt": messages, "answer": "aaa"}
+    tasks.check_prompts([example], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
     with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
-        tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
+        tasks.check_prompts([example], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
     tokenizer.chat_template = None
     with pytest.raises(tasks.InputError, match="chat-message prompts but .* has no chat template"):
-        tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=1024, max_new_tokens=3)
+        tasks.check_prompts([example], tokenizer, max_len=1024, max_new_tokens=3)
 
 
 
