@@ -2057,6 +2057,47 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def _save_two_checkpoints(out):
+    """Steps 1 and 2 of a world of two, each rank's shard a few tensors of its own."""
+    rank, _, _ = cpu_backend.init_distributed()
+    for step in (1, 2):
+        state = {"model": {"w": torch.full((4096,), float(rank + step))}, "step": step}
+        checkpoint.save_checkpoint(out, step, state, {"world_size": 2}, keep=2, rank=rank)
+
+
+def test_checkpoint_a_garbled_shard_fails_its_checksum_and_the_newest_good_one_is_taken(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    run_in_processes(_save_two_checkpoints, world_size=2, args=(out,))
+    first, newest = checkpoint.checkpoint_dirs(os.path.join(out, checkpoint.CHECKPOINTS_DIR))[::-1]
+    for directory in (first, newest):
+        recorded = checkpoint.read_meta(directory)["sha256"]
+        assert recorded == {name: checkpoint.file_sha256(os.path.join(directory, name))
+                            for name in ("rank0.pt", "rank1.pt")}
+    # 4 KB of random bytes inside the newest rank0.pt, its size unchanged: only the checksum sees it.
+    shard = os.path.join(newest, "rank0.pt")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.seek(size // 2)
+        f.write(random.Random(0).randbytes(4096))
+    assert os.path.getsize(shard) == size
+    assert checkpoint.choose_checkpoint(out, "auto", {"world_size": 2}) == first
+    assert capsys.readouterr().err.startswith(f"train_grpo.py: warning: checkpoint {newest} skipped: {shard} does not "
+                                              "match its checksum (sha256 ")
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint there"):
+        checkpoint.choose_checkpoint(out, newest, {"world_size": 2})
+    # A checkpoint saved before checksums were recorded still loads, by its sizes, with a note.
+    meta_path = os.path.join(first, checkpoint.CHECKPOINT_META)
+    meta = checkpoint.read_meta(first)
+    del meta["sha256"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    capsys.readouterr()
+    assert checkpoint.choose_checkpoint(out, first, {"world_size": 2}) == first
+    assert capsys.readouterr().err == (f"train_grpo.py: note: checkpoint {first} has no checksums (saved before they "
+                                       "were recorded); its files are checked by size only\n")
+    assert checkpoint.load_rank_state(first, 1)["model"]["w"][0] == 2.0
+
+
 def _hold_lock_and_die(out):
     checkpoint.lock_out(out)
     os.kill(os.getpid(), signal.SIGKILL)
