@@ -227,8 +227,7 @@ def checkpoint_dirs(root):
 def checkpoint_problem(directory):
     """Why `directory` is not a complete checkpoint (naming the file), or None: a file
     missing, of another size than meta.json records, or (where meta.json records sha256
-    checksums: every checkpoint saved since they were added) of other contents. Reads
-    every file of the checkpoint once."""
+    checksums) of other contents. Reads every file of the checkpoint once."""
     meta_path = os.path.join(directory, CHECKPOINT_META)
     try:
         with open(meta_path) as f:

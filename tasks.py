@@ -2,6 +2,7 @@
 
     examples = load_examples("train.parquet")                 # or task_examples("repeat", ["ab", "ba"])
     train, held_out = split_examples(examples, None, seed=0, task=None)
+    check_prompts(train + held_out, tokenizer, max_len=1024, max_new_tokens=64)   # once, before any work
     batch = sample_prompts(train, step=1, count=16, seed=0)   # the same on every rank
     credit = credit_function(tokenizer, task=None)            # exact match; or your reward, or "math"
     credits = credit(sample)                                  # [floats]: per token or one
@@ -149,10 +150,9 @@ def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None, flag="--
     "answer"}) or verl's (prompt as chat messages, the answer under reward_model.ground_truth).
 
     prompt: a string, or a list of {role, content} messages (templated at tokenization);
-    answer: a string (a NaN is refused); source ("FLAG FILE") and row (its 1-based number)
-    name the example in later messages.
-    `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A bad row is an InputError
-    naming `flag`, the file, its row number and the key.
+    answer: a string (a NaN is refused); source ("FLAG FILE") and row (1-based) name the
+    example in later messages. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A
+    bad row is an InputError naming `flag`, the file, its row number and the key.
     """
     answer_keys = DEFAULT_ANSWER_KEYS if answer_key is None else (answer_key,)
     examples = []
@@ -213,8 +213,7 @@ def _refuse_mixed_layouts(examples, eval_examples):
         names = ["chat messages (templated)" if chat else "strings (not templated)" for (chat,) in layouts]
         raise InputError(f"{examples[0].get('source', '--data')} has prompts as {names[0]} but "
                          f"{eval_examples[0].get('source', '--eval-data')} as {names[1]}; expected both in one "
-                         "layout (ours: "
-                         "\"prompt\" a string; verl's: a list of {role, content} messages)")
+                         "layout (ours: \"prompt\" a string; verl's: a list of {role, content} messages)")
 
 
 def step_seed(seed, step, sampling_round=0):
