@@ -11,10 +11,11 @@
             save_checkpoint(out, step, {"model": ..., "optimizer": ...}, layout, keep=2, rank=rank)
 
 On disk: OUT/checkpoints/step_000050/{rank0.pt, rank1.pt, ..., meta.json}. Every rank
-writes its shard into step_N.partial/, each file flushed to disk; rank 0 then writes
-meta.json (the layout, the step, each file's size) and renames the directory to step_N:
-a checkpoint directory either is complete or does not exist, and one whose files do not
-match their recorded sizes (a disk that lost writes) is skipped with a warning. A save
+writes its shard into step_N.partial/, each file flushed to disk and hashed (sha256) as it
+is written; rank 0 then writes meta.json (the layout, the step, each file's size and
+checksum) and renames the directory to step_N: a checkpoint directory either is complete
+or does not exist, and one whose files do not match their recorded sizes or checksums (a
+disk that lost or garbled writes) is skipped with a warning naming the file. A save
 that does not fit the disk is refused before it writes (or, where the disk fills while it
 writes, undone), naming the folder and the bytes it needs; the checkpoint before it stays.
 `out` must be storage every node sees. Refusals are `CheckpointError` (a ValueError)
@@ -22,6 +23,7 @@ naming the directory and what differs. Imports torch and the standard library.
 """
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -39,6 +41,8 @@ CHECKPOINT_META = "meta.json"
 LOCK_FILE = ".lock"
 # What a save writes beyond its tensors' bytes (pickled structure, meta.json), at least.
 SAVE_OVERHEAD_BYTES = 2**20
+DIGEST_BYTES = hashlib.sha256().digest_size
+HASH_CHUNK_BYTES = 2**22
 # Set by the fault-tolerance tests: "PHASE:STEP" makes the last rank SIGKILL itself there,
 # on torchrun's first attempt only (PHASE: sync, before the step's weight push; save,
 # after writing its file, before the checkpoint is published).
@@ -102,19 +106,46 @@ def fault_point(phase, step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _HashingWriter:
+    """A binary file's write and flush that also feed every byte written to a sha256."""
+
+    def __init__(self, f):
+        self.file, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data):
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self):
+        self.file.flush()
+
+
 def write_synced(path, write):
-    """Write a file through `write(f)`, flushed to disk, under a temporary name renamed at the end."""
+    """Write a file through `write(f)` (f has write and flush), flushed to disk, under a
+    temporary name renamed at the end; returns the sha256 digest (bytes) of what was written:
+    hashed on the way out, so the file is not read again."""
     with open(path + ".tmp", "wb") as f:
-        write(f)
+        hashing = _HashingWriter(f)
+        write(hashing)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    return hashing.sha256.digest()
+
+
+def file_sha256(path):
+    """The sha256 hex digest of a file, read in chunks (a shard may not fit in memory twice)."""
+    sha256 = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            sha256.update(chunk)
+    return sha256.hexdigest()
 
 
 def save_checkpoint(out, step, state, meta, keep, rank):
     """Every rank writes `state` (its shard: any torch.save-able dict) into step_N.partial/;
     rank 0 publishes step_N with meta.json (`meta`: the layout and anything JSON the run
-    wants to find again, plus the step and the file sizes) and keeps
+    wants to find again, plus the step, the file sizes and their sha256) and keeps
     the newest `keep`. Collective: every rank calls it. Where a shard does not fit its
     disk (checked before writing, and any write error), every rank raises CheckpointError
     and step_N.partial/ is removed: the checkpoints before it stay as they were."""
@@ -127,18 +158,20 @@ def save_checkpoint(out, step, state, meta, keep, rank):
     dist.barrier()
     needed, free = state_bytes(state) + SAVE_OVERHEAD_BYTES, shutil.disk_usage(staging).free
     error = None if needed <= free else "not enough free space"
+    digest = bytes(DIGEST_BYTES)
     if error is None:
         try:
-            write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
+            digest = write_synced(os.path.join(staging, f"rank{rank}.pt"), lambda f: torch.save(state, f))
         except (OSError, RuntimeError) as write_error:
             # torch.save's zip writer turns a failed write into a RuntimeError while it closes.
             cause = write_error if isinstance(write_error, OSError) else write_error.__context__
             error = getattr(cause, "strerror", None) or str(write_error)
     fault_point("save", step)
-    _refuse_unless_saved(error, needed, free, staging, step, rank)
+    digests = _refuse_unless_saved(error, needed, free, staging, step, rank, digest)
     if rank == 0:
         files = {name: os.path.getsize(os.path.join(staging, name)) for name in sorted(os.listdir(staging))}
-        published = dict(meta, step=step, files=files)
+        published = dict(meta, step=step, files=files,
+                         sha256={f"rank{r}.pt": digest.hex() for r, digest in enumerate(digests)})
         write_synced(os.path.join(staging, CHECKPOINT_META),
                      lambda f: f.write(json.dumps(published, indent=1).encode()))
         shutil.rmtree(final, ignore_errors=True)
@@ -160,13 +193,19 @@ def state_bytes(state):
     return 0
 
 
-def _refuse_unless_saved(error, needed, free, staging, step, rank):
+def _refuse_unless_saved(error, needed, free, staging, step, rank, digest):
     """Collective: where any rank's shard was not written, remove the partial checkpoint and
-    raise on every rank, naming the folder, the bytes the save needs and those free."""
-    failed = torch.tensor([float(error is not None), float(needed)], dtype=torch.float64)
-    dist.all_reduce(failed)
+    raise on every rank, naming the folder, the bytes the save needs and those free; else
+    [every rank's shard's sha256 digest (bytes)], by rank. `digest`: this rank's."""
+    # One all-reduce: the failure count, the bytes needed and each rank's digest bytes
+    # (0-255, exact in float64) in its own slot.
+    shared = torch.zeros(2 + dist.get_world_size() * DIGEST_BYTES, dtype=torch.float64)
+    shared[0], shared[1] = float(error is not None), float(needed)
+    shared[2 + rank * DIGEST_BYTES:2 + (rank + 1) * DIGEST_BYTES] = torch.tensor(list(digest), dtype=torch.float64)
+    dist.all_reduce(shared)
+    failed = shared[:2]
     if not failed[0]:
-        return
+        return [bytes(row) for row in shared[2:].to(torch.uint8).view(-1, DIGEST_BYTES).tolist()]
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     previous = checkpoint_dirs(os.path.dirname(staging))
@@ -186,7 +225,9 @@ def checkpoint_dirs(root):
 
 
 def checkpoint_problem(directory):
-    """Why `directory` is not a complete checkpoint (naming the file), or None."""
+    """Why `directory` is not a complete checkpoint (naming the file), or None: a file
+    missing, of another size than meta.json records, or (where meta.json records sha256
+    checksums) of other contents. Reads every file of the checkpoint once."""
     meta_path = os.path.join(directory, CHECKPOINT_META)
     try:
         with open(meta_path) as f:
@@ -198,6 +239,11 @@ def checkpoint_problem(directory):
         actual = os.path.getsize(path) if os.path.exists(path) else None
         if actual != size:
             return f"{path} is {'missing' if actual is None else f'{actual} bytes'}, expected {size} bytes"
+    for name, expected in meta.get("sha256", {}).items():
+        path = os.path.join(directory, name)
+        actual = file_sha256(path)
+        if actual != expected:
+            return f"{path} does not match its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...)"
     return None
 
 
@@ -224,20 +270,25 @@ def choose_checkpoint(out, resume, layout):
 
     resume: "auto" (the newest complete checkpoint under OUT/checkpoints, if any), "never",
     or a directory (a checkpoint, or a checkpoints folder for its newest). A complete
-    checkpoint of another `layout` is a CheckpointError; an incomplete one is skipped
-    with a warning on stderr (from rank 0) naming the bad file.
+    checkpoint of another `layout` is a CheckpointError; an incomplete or corrupted one is
+    skipped with a warning on stderr (from rank 0) naming the bad file, and the newest good
+    one is taken. One saved without checksums is taken as its sizes say, with a note.
     """
     if resume == "never":
         return None
     root = os.path.join(out, CHECKPOINTS_DIR) if resume == "auto" else resume
     candidates = [root] if os.path.isfile(os.path.join(root, CHECKPOINT_META)) else checkpoint_dirs(root)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     for directory in candidates:
         problem = checkpoint_problem(directory)
         if problem is not None:
-            if int(os.environ.get("RANK", "0")) == 0:
+            if rank0:
                 print(f"train_grpo.py: warning: checkpoint {directory} skipped: {problem}", file=sys.stderr, flush=True)
             continue
         saved = read_meta(directory)
+        if "sha256" not in saved and rank0:
+            print(f"train_grpo.py: note: checkpoint {directory} has no checksums (saved before they were recorded); "
+                  "its files are checked by size only", file=sys.stderr, flush=True)
         different = {key: (saved.get(key), value) for key, value in layout.items() if saved.get(key) != value}
         if different:
             raise CheckpointError(f"--resume {resume}: {directory} was saved with " + ", ".join(

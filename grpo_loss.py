@@ -35,6 +35,10 @@ import torch
 ADVANTAGE_EPS = 1e-6
 # k3 = exp(x) - x - 1 overflows fp32 past x ~ 88; the bound keeps it finite.
 KL_LOG_RATIO_BOUND = 20.0
+# verl's low_var_kl clamps k3 itself to [-10, 10] too (k3 >= 0: only 10 acts). A token with
+# x = log p_ref - log p above 2.6 or below -11 then adds a constant 10 and no gradient, so
+# one far-off token (k3 and its gradient reach e^20) cannot outweigh the batch's policy loss.
+KL_VALUE_BOUND = 10.0
 
 # GSPO's sequence ratio is exp of a mean log-ratio; verl bounds the log at 10 so that one
 # stale sequence cannot overflow the loss (its ratio is clipped far below e^10 anyway).
@@ -70,7 +74,8 @@ def group_advantages(rewards, group_size, mode):
     mode: "grpo" (mean/std baseline), "mean-only" (Dr. GRPO: no std division) or
     "leave-one-out" (each completion against the mean of the others). With per-token
     rewards ([N, L]) each answer position is baselined against the same position of the
-    other completions in its group.
+    other completions in its group. A group (or position) whose rewards are all equal gets
+    exactly 0, in every mode.
     """
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {ADVANTAGE_MODES}")
@@ -79,11 +84,16 @@ def group_advantages(rewards, group_size, mode):
     grouped = rewards.view(-1, group_size, *rewards.shape[1:])
     if mode == "leave-one-out":
         baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
-        return (grouped - baseline).view(rewards.shape)
-    centred = grouped - grouped.mean(1, keepdim=True)
-    if mode == "mean-only":
-        return centred.view(rewards.shape)
-    return (centred / (grouped.std(1, keepdim=True) + ADVANTAGE_EPS)).view(rewards.shape)
+        advantages = grouped - baseline
+    else:
+        advantages = grouped - grouped.mean(1, keepdim=True)
+        if mode == "grpo":
+            advantages = advantages / (grouped.std(1, keepdim=True) + ADVANTAGE_EPS)
+    # The fp32 mean of equal non-dyadic rewards (8 x 0.7) is off by an ulp, and dividing
+    # that by a std of ~6e-8 gives advantages up to 0.056 (verl has the same noise). An
+    # exact test, not float64: every other group keeps its fp32 values bit for bit.
+    equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
+    return torch.where(equal, torch.zeros_like(advantages), advantages).view(rewards.shape)
 
 
 def token_weights(loss_mask, seqlens, mode, num_sequences, num_tokens):
@@ -230,6 +240,9 @@ def rollout_mask(old_logprobs, rollout_logprobs, loss_mask, sequence_index, num_
       sequence  a sequence's loss tokens are kept iff the geometric mean of their r,
                 exp(mean log r), is in [low, high] (NeMo-RL "seq-mask-tis", verl "seq_mean_k1").
     Multiply it into the policy term's token weights; unlike TIS it drops tokens outright.
+    Unlike verl, a token's log r is not bounded to +-20 before the sequence's mean: exp of
+    an unbounded mean is inf or 0, outside [low, high], so a sequence holding one infinite
+    log r (a -inf rollout log-prob) is dropped, where the bound would let it through.
     """
     if level not in ROLLOUT_MASK_LEVELS:
         raise ValueError(f"level={level!r}: expected one of {ROLLOUT_MASK_LEVELS}")
@@ -278,7 +291,8 @@ def informative_groups(rewards, group_size):
 
 def k3_kl(logprobs, reference_logprobs):
     """[T] fp32 k3 estimate of KL(policy || reference) per token (verl's "low_var_kl"):
-    exp(x) - x - 1 with x = log p_ref - log p, x bounded to +-KL_LOG_RATIO_BOUND; >= 0,
-    unbiased, gradient through `logprobs`."""
+    exp(x) - x - 1 with x = log p_ref - log p, x bounded to +-KL_LOG_RATIO_BOUND and the
+    result to +-KL_VALUE_BOUND, both as verl does; >= 0, unbiased inside the bounds,
+    gradient through `logprobs` (none where a bound holds)."""
     log_ratio = (reference_logprobs - logprobs).clamp(-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
-    return torch.exp(log_ratio) - log_ratio - 1
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-KL_VALUE_BOUND, KL_VALUE_BOUND)

@@ -2,6 +2,7 @@
 
     examples = load_examples("train.parquet")                 # or task_examples("repeat", ["ab", "ba"])
     train, held_out = split_examples(examples, None, seed=0, task=None)
+    check_prompts(train + held_out, tokenizer, max_len=1024, max_new_tokens=64)   # once, before any work
     batch = sample_prompts(train, step=1, count=16, seed=0)   # the same on every rank
     credit = credit_function(tokenizer, task=None)            # exact match; or your reward, or "math"
     credits = credit(sample)                                  # [floats]: per token or one
@@ -40,6 +41,7 @@ import multiprocessing
 import numbers
 import os
 import random
+import sys
 import threading
 import time
 
@@ -76,6 +78,7 @@ NUMERIC_TOLERANCE = 1e-6
 # --reward-timeout's default: a local reward returns in well under a second, a remote judge
 # within a minute or two even with retries; one past five minutes is stuck.
 REWARD_TIMEOUT_S = 300.0
+UTF8_BOM = "\ufeff"
 SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
 
 
@@ -98,8 +101,13 @@ def read_rows(path, flag="--data"):
     """[(row number, record)] of a .jsonl or .parquet file; numbers are 1-based (a JSONL
     file's line numbers: blank lines are skipped but counted)."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet  # only a Parquet file needs it
-        return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
+        import pyarrow  # only a Parquet file needs it
+        import pyarrow.parquet
+        try:
+            return list(enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1))
+        except (pyarrow.ArrowException, OSError) as error:
+            raise InputError(f"{flag} {path}: not a Parquet file pyarrow can read ({error}); expected a .parquet "
+                             "table (a JSON-lines file is read as .jsonl)") from None
     rows = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -108,6 +116,8 @@ def read_rows(path, flag="--data"):
             except UnicodeDecodeError as error:
                 raise InputError(f"{flag} {path}: row {number} is not UTF-8 text (byte {raw[error.start]:#04x} at "
                                  f"column {error.start + 1}); expected UTF-8 JSON lines") from None
+            if number == 1:
+                line = line.removeprefix(UTF8_BOM)  # an editor's "UTF-8 with BOM"
             if not line.strip():
                 continue
             try:
@@ -140,12 +150,13 @@ def is_chat(prompt):
 
 
 def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None, flag="--data"):
-    """[{prompt, answer}] from a .jsonl or .parquet file, in our layout ({"prompt", "answer"})
-    or verl's (prompt as chat messages, the answer under reward_model.ground_truth).
+    """[{prompt, answer, source, row}] from a .jsonl or .parquet file, in our layout ({"prompt",
+    "answer"}) or verl's (prompt as chat messages, the answer under reward_model.ground_truth).
 
     prompt: a string, or a list of {role, content} messages (templated at tokenization);
-    answer: a string. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A bad row is
-    an InputError naming `flag`, the file, its row number and the key.
+    answer: a string (a NaN is refused); source ("FLAG FILE") and row (1-based) name the
+    example in later messages. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A
+    bad row is an InputError naming `flag`, the file, its row number and the key.
     """
     answer_keys = DEFAULT_ANSWER_KEYS if answer_key is None else (answer_key,)
     examples = []
@@ -170,7 +181,9 @@ def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None, flag="--
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise InputError(f"{where}: answer {str(answer)[:80]!r} is {type(answer).__name__}; expected a string "
                              "or a number")
-        examples.append({"prompt": prompt, "answer": str(answer)})
+        if isinstance(answer, float) and math.isnan(answer):
+            raise InputError(f"{where}: {key!r} is NaN, which no response can equal; expected a string or a number")
+        examples.append({"prompt": prompt, "answer": str(answer), "source": f"{flag} {path}", "row": number})
     if not examples:
         raise InputError(f"{flag} {path}: no examples")
     return examples
@@ -185,6 +198,7 @@ def split_examples(examples, eval_examples, seed, task, count_step=1):
         return (task_examples(task, TASKS[task]["train"], count_step),
                 task_examples(task, TASKS[task]["held_out"], count_step))
     if eval_examples is not None:
+        _refuse_mixed_layouts(examples, eval_examples)
         return examples, eval_examples
     if len(examples) < 2:
         raise InputError(f"--data has {len(examples)} example; expected at least 2 to hold some out for "
@@ -193,6 +207,17 @@ def split_examples(examples, eval_examples, seed, task, count_step=1):
     random.Random(seed).shuffle(order)
     held_out = max(1, min(EVAL_HOLDOUT_MAX, round(EVAL_HOLDOUT_FRACTION * len(examples))))
     return [examples[i] for i in sorted(order[held_out:])], [examples[i] for i in sorted(order[:held_out])]
+
+
+def _refuse_mixed_layouts(examples, eval_examples):
+    # Chat prompts are templated and string prompts are not: an eval set in the other
+    # layout would measure the policy on prompts unlike those it trains on.
+    layouts = [{is_chat(e["prompt"]) for e in pool} for pool in (examples, eval_examples)]
+    if layouts[0].isdisjoint(layouts[1]):
+        names = ["chat messages (templated)" if chat else "strings (not templated)" for (chat,) in layouts]
+        raise InputError(f"{examples[0].get('source', '--data')} has prompts as {names[0]} but "
+                         f"{eval_examples[0].get('source', '--eval-data')} as {names[1]}; expected both in one "
+                         "layout (ours: \"prompt\" a string; verl's: a list of {role, content} messages)")
 
 
 def step_seed(seed, step, sampling_round=0):
@@ -220,15 +245,54 @@ def prompt_token_ids(tokenizer, prompt):
 
 
 def check_prompts(examples, tokenizer, max_len, max_new_tokens):
-    """Refuse chat prompts without a chat template, or prompts too long for the context."""
+    """Every prompt of a data set, once, before any work: refuse chat prompts without a chat
+    template, a prompt that encodes to no token (the rollout engine refuses it when it is
+    first sampled, maybe hours in) or too long for the context; warn once (rank 0, on
+    stderr) about characters the tokenizer drops from prompts, or can never produce for an
+    answer (exact match cannot score it), naming the row and the characters."""
     if any(not isinstance(e["prompt"], str) for e in examples) and not tokenizer.chat_template:
         raise InputError(f"--data has chat-message prompts but {tokenizer.name_or_path}'s tokenizer has no chat "
                          "template; expected a checkpoint with one (tokenizer_config.json's chat_template)")
-    too_long = [e["prompt"] for e in examples
-                if len(prompt_token_ids(tokenizer, e["prompt"])) + max_new_tokens > max_len]
+    too_long, dropped, unanswerable = [], [], []
+    for example in examples:
+        ids = prompt_token_ids(tokenizer, example["prompt"])
+        if not ids:
+            raise InputError(f"{_named(example)}: the prompt {str(example['prompt'])[:80]!r} encodes to no token "
+                             f"with {tokenizer.name_or_path}'s tokenizer; expected text in its vocabulary")
+        if len(ids) + max_new_tokens > max_len:
+            too_long.append(example["prompt"])
+        text = example["prompt"] if isinstance(example["prompt"], str) else "".join(
+            message["content"] for message in example["prompt"])
+        dropped.append((example, _lost_characters(tokenizer, text, ids)))
+        unanswerable.append((example, _lost_characters(tokenizer, example["answer"])))
     if too_long:
         raise InputError(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
                          f"{max_new_tokens} new tokens; first: {str(too_long[0])[:80]!r}")
+    _warn_lost(dropped, tokenizer, "prompt", "drops (the policy never sees them)")
+    _warn_lost(unanswerable, tokenizer, "answer", "can never produce (no response can match them exactly)")
+
+
+def _lost_characters(tokenizer, text, ids=None):
+    # The characters of `text` that its tokens do not decode back to. Whitespace is left
+    # out: a byte-level tokenizer without a space token (the built-in one) drops it, which
+    # the data format rules document.
+    if ids is None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return "".join(sorted(set(text) - set(tokenizer.decode(ids)) - {c for c in text if c.isspace()}))
+
+
+def _named(example):
+    # "--data FILE: row N", where the example came from a data file.
+    return f"{example['source']}: row {example['row']}" if "source" in example else "an example"
+
+
+def _warn_lost(lost, tokenizer, what, consequence):
+    lost = [(example, characters) for example, characters in lost if characters]
+    if lost and int(os.environ.get("RANK", "0")) == 0:
+        example, characters = lost[0]
+        print(f"train_grpo.py: warning: {len(lost)} {what}(s) hold characters that {tokenizer.name_or_path}'s "
+              f"tokenizer {consequence}; first: {_named(example)}, {characters!r} in {str(example[what])[:80]!r}",
+              file=sys.stderr, flush=True)
 
 
 def token_credits(response_ids, answer_ids):
@@ -257,10 +321,12 @@ def count_credits(start_id, response_ids, successors):
 
 
 def exact_match_reward(response, answer):
-    """Data files: exact match, or numeric match when the answer is a number; 0.0 or 1.0."""
+    """Data files: exact match, or numeric match when the answer is a number (equal
+    infinities match; NaN matches nothing); 0.0 or 1.0."""
     response = response.strip()
     try:
-        return float(abs(float(response) - float(answer)) <= NUMERIC_TOLERANCE)
+        number, expected = float(response), float(answer)
+        return float(number == expected or abs(number - expected) <= NUMERIC_TOLERANCE)
     except ValueError:
         return float(response == answer.strip())
 

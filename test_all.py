@@ -1634,6 +1634,62 @@ def test_grpo_loss_informative_groups_by_hand():
         grpo_loss.informative_groups(rewards.view(6, 2), 2)
 
 
+def _textbook_advantages(rewards, group_size, mode):
+    """group_advantages without its equal-group rule: the mean/std formulas in fp32."""
+    grouped = rewards.view(-1, group_size, *rewards.shape[1:])
+    if mode == "leave-one-out":
+        return (grouped - (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)).view(rewards.shape)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    if mode == "mean-only":
+        return centred.view(rewards.shape)
+    return (centred / (grouped.std(1, keepdim=True) + grpo_loss.ADVANTAGE_EPS)).view(rewards.shape)
+
+
+def test_grpo_loss_equal_non_dyadic_rewards_get_exactly_zero_advantage():
+    # fp32 rounding made 8 or 16 rewards of 0.7 come out at advantages up to 0.056.
+    for group_size in (8, 16):
+        for value in (0.7, 0.3, 0.1):
+            rewards = torch.full((2 * group_size,), value)
+            rewards[group_size:] = torch.arange(group_size) % 2
+            for mode in grpo_loss.ADVANTAGE_MODES:
+                advantages = grpo_loss.group_advantages(rewards, group_size, mode)
+                assert advantages[:group_size].tolist() == [0.0] * group_size, (group_size, value, mode)
+                assert advantages[group_size:].abs().min() > 0.4
+    # Per-token credits: a position where the group agrees gets 0, the others keep theirs.
+    credits = torch.tensor([[0.7, 1.0], [0.7, 0.0], [0.7, 0.5], [0.7, 0.5]])
+    advantages = grpo_loss.group_advantages(credits, 4, "grpo")
+    assert advantages[:, 0].tolist() == [0.0] * 4 and advantages[0, 1] > 0
+    # Every group that is not all equal keeps the fp32 formula's values bit for bit.
+    generator = torch.Generator().manual_seed(0)
+    for group_size in (2, 4, 8, 16):
+        for rewards in (torch.randint(0, 2, (group_size * 64,), generator=generator).float(),
+                        torch.rand(group_size * 64, generator=generator),
+                        torch.rand(group_size * 16, 5, generator=generator)):
+            for mode in grpo_loss.ADVANTAGE_MODES:
+                torch.testing.assert_close(grpo_loss.group_advantages(rewards, group_size, mode),
+                                           _textbook_advantages(rewards, group_size, mode), **EXACT)
+
+
+def test_grpo_loss_k3_kl_is_bounded_at_ten_as_verl():
+    # x = log p_ref - log p: 1 is inside (e - 2), 5 and -15 are past k3 = 10, 40 past the log bound.
+    x = torch.tensor([1.0, 5.0, -15.0, 40.0, 0.0])
+    logprobs = torch.zeros(5, requires_grad=True)
+    k3 = grpo_loss.k3_kl(logprobs, x)
+    torch.testing.assert_close(k3, torch.tensor([math.e - 2, 10.0, 10.0, 10.0, 0.0]))
+    k3.sum().backward()
+    # d k3 / d log p = 1 - exp(x) inside the bounds; none where a bound holds.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([1 - math.e, 0.0, 0.0, 0.0, 0.0]))
+
+
+def test_grpo_loss_sequence_rollout_mask_drops_a_sequence_with_an_infinite_log_ratio():
+    # One token of a 40-token sequence has a -inf rollout log-prob (r = inf): bounding its
+    # log r at 20 as verl does would give a geometric mean of e^0.5 and keep the sequence.
+    old, rollout = torch.zeros(40), torch.zeros(40)
+    rollout[7] = -float("inf")
+    mask, index = torch.ones(40), torch.zeros(40, dtype=torch.int64)
+    assert grpo_loss.rollout_mask(old, rollout, mask, index, 1, "sequence", 0.5, 5.0).sum() == 0
+
+
 # ---------------------------------------------------------------------------------------
 # tasks: built-in tasks, data files, chat prompts and rewards
 # ---------------------------------------------------------------------------------------
@@ -1660,8 +1716,9 @@ def test_tasks_credits_rewards_and_bad_input(tmp_path):
     with pytest.raises(tasks.InputError, match="row 2"):
         tasks.load_examples(str(bad))
     with pytest.raises(tasks.InputError, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
-        tasks.check_prompts([{"prompt": "a long prompt"}, {"prompt": "ok"}],
-                                 SimpleNamespace(encode=list, chat_template=None), 8, 4)
+        tasks.check_prompts([{"prompt": "a long prompt", "answer": "a"}, {"prompt": "ok", "answer": "b"}],
+                            SimpleNamespace(encode=lambda text, **_: list(text), decode="".join, chat_template=None,
+                                            name_or_path="characters"), 8, 4)
 
 
 def test_tasks_held_out_prompts_are_never_sampled_for_training():
@@ -1775,6 +1832,78 @@ def test_tasks_reward_call_is_bounded_in_time_and_says_every_way_it_ends():
     assert time.monotonic() - started < 20
 
 
+def test_tasks_data_file_edge_cases_text_parquet_nan_answer_bom_and_infinite_answers(tmp_path):
+    # A .parquet that is really JSON lines: refused naming the flag and the file, no pyarrow traceback.
+    text = tmp_path / "train.parquet"
+    text.write_text('{"prompt": "a", "answer": "b"}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(text), flag="--eval-data")
+    assert str(refused.value).startswith(f"--eval-data {text}: not a Parquet file pyarrow can read (")
+    # "answer": NaN (JSON's NaN, or a float NaN in a Parquet column) matches no response.
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "a", "answer": NaN}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(nan))
+    assert str(refused.value) == (f"--data {nan}: row 2: 'answer' is NaN, which no response can equal; expected a "
+                                  "string or a number")
+    nan_column = _write_parquet(tmp_path / "nan.parquet", [{"prompt": "a", "answer": 1.5},
+                                                           {"prompt": "b", "answer": float("nan")}])
+    with pytest.raises(tasks.InputError, match="nan.parquet: row 2: 'answer' is NaN"):
+        tasks.load_examples(nan_column)
+    # A JSONL file saved as "UTF-8 with BOM" is read.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "b"}\n')
+    assert [(e["prompt"], e["answer"]) for e in tasks.load_examples(str(bom))] == [("a", "b")]
+    # Equal infinities match numerically; NaN matches nothing.
+    assert tasks.exact_match_reward("inf", "inf") == 1.0
+    assert tasks.exact_match_reward(" -Infinity", "-inf") == 1.0
+    assert tasks.exact_match_reward("inf", "-inf") == tasks.exact_match_reward("nan", "nan") == 0.0
+    assert tasks.exact_match_reward("4.0000001", "4") == 1.0
+
+
+def test_tasks_eval_data_in_the_other_layout_is_refused_naming_both_files(tmp_path):
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n')
+    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
+    training, held_out = tasks.load_examples(verl), tasks.load_examples(str(ours), flag="--eval-data")
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.split_examples(training, held_out, 0, "repeat")
+    assert str(refused.value) == (f"--data {verl} has prompts as chat messages (templated) but --eval-data {ours} "
+                                  "as strings (not templated); expected both in one layout (ours: \"prompt\" a "
+                                  "string; verl's: a list of {role, content} messages)")
+    with pytest.raises(tasks.InputError, match=f"--data {ours} has prompts as strings .* but --eval-data {verl} as"):
+        tasks.split_examples(tasks.load_examples(str(ours)), tasks.load_examples(verl, flag="--eval-data"), 0, None)
+    assert tasks.split_examples(training, training[:1], 0, "repeat") == (training, training[:1])
+
+
+def test_tasks_prompts_checked_once_empty_encodings_refused_dropped_characters_named(tiny_checkpoint, tmp_path,
+                                                                                     capsys):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"prompt": "repeat:a", "answer": "aaa"}, {"prompt": "héllo 😀 世界", "answer": "hllo"},
+        {"prompt": "repeat:b", "answer": "é"}, {"prompt": "😀 世界", "answer": "x"})))
+    examples = tasks.load_examples(str(data))
+    # The built-in tokenizer has no token for 😀 or 世界: the fourth prompt encodes to nothing,
+    # which vLLM would refuse when that row is first sampled.
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.check_prompts(examples, tokenizer, 1024, 3)
+    assert str(refused.value) == (f"--data {data}: row 4: the prompt '😀 世界' encodes to no token with "
+                                  f"{tiny_checkpoint}'s tokenizer; expected text in its vocabulary")
+    capsys.readouterr()
+    # Dropped characters of a prompt, and an answer no response can hold: one warning each.
+    tasks.check_prompts(examples[:3], tokenizer, 1024, 3)
+    assert capsys.readouterr().err.splitlines() == [
+        f"train_grpo.py: warning: 1 prompt(s) hold characters that {tiny_checkpoint}'s tokenizer drops (the policy "
+        f"never sees them); first: --data {data}: row 2, 'é世界😀' in 'héllo 😀 世界'",
+        f"train_grpo.py: warning: 1 answer(s) hold characters that {tiny_checkpoint}'s tokenizer can never produce "
+        f"(no response can match them exactly); first: --data {data}: row 3, 'é' in 'é'"]
+    # Whitespace the built-in tokenizer drops is a documented limit, not warned about.
+    tasks.check_prompts([{"prompt": "2 + 2 =", "answer": "4 0"}], tokenizer, 1024, 3)
+    assert capsys.readouterr().err == ""
+
+
 def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text(REWARD_FILE)
@@ -1806,15 +1935,17 @@ def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tm
 def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
     ours = tmp_path / "ours.jsonl"
     ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
-    assert tasks.load_examples(str(ours)) == [{"prompt": "repeat:a", "answer": "aaa"},
-                                                   {"prompt": "2+2=", "answer": "4"}]
+    assert tasks.load_examples(str(ours)) == [
+        {"prompt": "repeat:a", "answer": "aaa", "source": f"--data {ours}", "row": 1},
+        {"prompt": "2+2=", "answer": "4", "source": f"--data {ours}", "row": 3}]
     verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
     assert tasks.load_examples(verl) == [
-        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa"},
-        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb"}]
+        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa", "source": f"--data {verl}", "row": 1},
+        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb", "source": f"--data {verl}", "row": 2}]
     # Other layouts: a column and a dotted path into a nested field.
     custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
-    assert tasks.load_examples(custom, "question", "meta.solution") == [{"prompt": "1+1=", "answer": "2"}]
+    assert tasks.load_examples(custom, "question", "meta.solution") == [
+        {"prompt": "1+1=", "answer": "2", "source": f"--data {custom}", "row": 1}]
     # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
     missing = tmp_path / "missing.jsonl"
     missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
@@ -1853,12 +1984,13 @@ def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_chec
     # A string prompt: the ids vLLM got for it before prompts were tokenised here.
     assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
     # The length check counts the templated tokens.
-    tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
+    example = {"prompt": messages, "answer": "aaa"}
+    tasks.check_prompts([example], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
     with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
-        tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
+        tasks.check_prompts([example], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
     tokenizer.chat_template = None
     with pytest.raises(tasks.InputError, match="chat-message prompts but .* has no chat template"):
-        tasks.check_prompts([{"prompt": messages}], tokenizer, max_len=1024, max_new_tokens=3)
+        tasks.check_prompts([example], tokenizer, max_len=1024, max_new_tokens=3)
 
 
 
@@ -2038,6 +2170,47 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     kept = checkpoint.keep_records(str(out / "metrics.jsonl"), 4)
     assert [r["step"] for r in kept] == [1, 2, 3, 4]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def _save_two_checkpoints(out):
+    """Steps 1 and 2 of a world of two, each rank's shard a few tensors of its own."""
+    rank, _, _ = cpu_backend.init_distributed()
+    for step in (1, 2):
+        state = {"model": {"w": torch.full((4096,), float(rank + step))}, "step": step}
+        checkpoint.save_checkpoint(out, step, state, {"world_size": 2}, keep=2, rank=rank)
+
+
+def test_checkpoint_a_garbled_shard_fails_its_checksum_and_the_newest_good_one_is_taken(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    run_in_processes(_save_two_checkpoints, world_size=2, args=(out,))
+    first, newest = checkpoint.checkpoint_dirs(os.path.join(out, checkpoint.CHECKPOINTS_DIR))[::-1]
+    for directory in (first, newest):
+        recorded = checkpoint.read_meta(directory)["sha256"]
+        assert recorded == {name: checkpoint.file_sha256(os.path.join(directory, name))
+                            for name in ("rank0.pt", "rank1.pt")}
+    # 4 KB of random bytes inside the newest rank0.pt, its size unchanged: only the checksum sees it.
+    shard = os.path.join(newest, "rank0.pt")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.seek(size // 2)
+        f.write(random.Random(0).randbytes(4096))
+    assert os.path.getsize(shard) == size
+    assert checkpoint.choose_checkpoint(out, "auto", {"world_size": 2}) == first
+    assert capsys.readouterr().err.startswith(f"train_grpo.py: warning: checkpoint {newest} skipped: {shard} does not "
+                                              "match its checksum (sha256 ")
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint there"):
+        checkpoint.choose_checkpoint(out, newest, {"world_size": 2})
+    # A checkpoint saved before checksums were recorded still loads, by its sizes, with a note.
+    meta_path = os.path.join(first, checkpoint.CHECKPOINT_META)
+    meta = checkpoint.read_meta(first)
+    del meta["sha256"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    capsys.readouterr()
+    assert checkpoint.choose_checkpoint(out, first, {"world_size": 2}) == first
+    assert capsys.readouterr().err == (f"train_grpo.py: note: checkpoint {first} has no checksums (saved before they "
+                                       "were recorded); its files are checked by size only\n")
+    assert checkpoint.load_rank_state(first, 1)["model"]["w"][0] == 2.0
 
 
 def _hold_lock_and_die(out):
