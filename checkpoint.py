@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+FINAL_DIR = "final"
 CHECKPOINT_META = "meta.json"
 LOCK_FILE = ".lock"
 # What a save writes beyond its tensors' bytes (pickled structure, meta.json), at least.
@@ -224,6 +226,14 @@ def checkpoint_dirs(root):
     return [os.path.join(root, name) for name in sorted(names, reverse=True)]
 
 
+def set_aside(directory, why):
+    """Rename a published checkpoint (rank 0) so that no resume picks it again: a checkpoint
+    whose files are whole but whose first step gives a non-finite loss; returns the new name."""
+    aside = f"{directory}.{why}"
+    os.replace(directory, aside)
+    return aside
+
+
 def checkpoint_problem(directory):
     """Why `directory` is not a complete checkpoint (naming the file), or None: a file
     missing, of another size than meta.json records, or (where meta.json records sha256
@@ -262,6 +272,36 @@ def out_problems(out, resume):
                 "expected a fresh --out (or --resume auto to continue it)"]
     if resume not in ("auto", "never") and not os.path.isdir(resume):
         return [f"--resume {resume!r}: no such directory; expected auto, never or a checkpoint dir"]
+    return another_runs_files(out) + metrics_problems(os.path.join(out, METRICS_FILE))
+
+
+def another_runs_files(out):
+    """[a message] when `out` holds a run's metrics or final/ but no checkpoint to continue
+    it from: another run's, which this one would overwrite. A worker group that torchrun
+    restarts (TORCHELASTIC_RESTART_COUNT > 0) is the same run, stopped before its first
+    checkpoint, and starts over."""
+    found = [name for name in (METRICS_FILE, FINAL_DIR) if os.path.exists(os.path.join(out, name))]
+    if not found or checkpoint_dirs(os.path.join(out, CHECKPOINTS_DIR)) \
+            or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return []
+    return [f"--out {out!r} holds {' and '.join(found)} of an earlier run but no checkpoint to continue it from; "
+            "this run would overwrite them: pass another --out, or move them away to reuse this one"]
+
+
+def metrics_problems(metrics_path):
+    """[a message] when `metrics_path` exists but is not a metrics.jsonl this project wrote
+    (one JSON record with a "step" per line): resuming would cut it back by step."""
+    if not os.path.isfile(metrics_path):
+        return []
+    with open(metrics_path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                return [f"{metrics_path}: line {number} is not a step record of train_grpo.py (a JSON object "
+                        "with an int \"step\"); expected this project's metrics.jsonl: pass another --out"]
     return []
 
 

@@ -536,7 +536,8 @@ def save_hf_checkpoint(model, source_dir, out_dir):
 
     Call on every rank (tensor-parallel shards are gathered); global rank 0 writes, the
     others wait until it has. The result loads in vLLM and transformers like the source
-    checkpoint. Returns `out_dir`.
+    checkpoint. It is written beside `out_dir` and renamed into place whole, so `out_dir`
+    is never half written, with the files' permissions the umask gives. Returns `out_dir`.
     """
     writes = not dist.is_initialized() or dist.get_rank() == 0
     tensors = {}
@@ -544,11 +545,30 @@ def save_hf_checkpoint(model, source_dir, out_dir):
         if writes:
             tensors[name] = tensor.to("cpu", copy=True).contiguous()
     if writes:
-        os.makedirs(out_dir, exist_ok=True)
+        staging = out_dir.rstrip("/") + ".partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
         for file_name in HF_METADATA_FILES:
             if os.path.exists(os.path.join(source_dir, file_name)):
-                shutil.copyfile(os.path.join(source_dir, file_name), os.path.join(out_dir, file_name))
-        save_file(tensors, os.path.join(out_dir, SAFETENSORS_FILE), metadata={"format": "pt"})
+                shutil.copyfile(os.path.join(source_dir, file_name), os.path.join(staging, file_name))
+        save_file(tensors, os.path.join(staging, SAFETENSORS_FILE), metadata={"format": "pt"})
+        _publish(staging, out_dir)
     if dist.is_initialized():
         dist.barrier()
     return out_dir
+
+
+def _publish(staging, out_dir):
+    """Move the finished `staging` folder to `out_dir` (replacing an earlier one only once the
+    new one is whole), every file readable as the umask allows: safetensors writes its file
+    owner-only, as a temporary file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(staging):
+        os.chmod(os.path.join(staging, name), 0o666 & ~umask)
+    earlier = out_dir.rstrip("/") + ".old"
+    if os.path.exists(out_dir):
+        shutil.rmtree(earlier, ignore_errors=True)
+        os.replace(out_dir, earlier)
+    os.replace(staging, out_dir)
+    shutil.rmtree(earlier, ignore_errors=True)
