@@ -134,18 +134,18 @@ EOF
 # takes that extra out: TE's wheels (transformer-engine and its core_cuNN library) resolve
 # with the rest, and the archive is only looked up (compare_gpu_stack).
 check_gpu_stack() {
-  local tmp python
+  local python
   [ -f "$GPU_REQUIREMENTS" ] || die "GPU_REQUIREMENTS='$GPU_REQUIREMENTS' is not a file"
   CHECK_PYTHON=$VENV/bin/python
   [ -x "$CHECK_PYTHON" ] || CHECK_PYTHON=$PYTHON
-  tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' EXIT
+  CHECK_DIR=$(mktemp -d)  # global: the EXIT trap runs after this function has returned
+  trap 'rm -rf "$CHECK_DIR"' EXIT
   sed -E '/^transformer-engine/ { s/\[pytorch\]//; s/\[pytorch,/[/; s/,pytorch\]/]/; s/,pytorch,/,/; }' \
-    "$GPU_REQUIREMENTS" >"$tmp/requirements.txt"
+    "$GPU_REQUIREMENTS" >"$CHECK_DIR/requirements.txt"
   for python in $SUPPORTED_PYTHONS; do
     echo "setup.sh: resolving $GPU_REQUIREMENTS for Python $python on Linux x86_64 from $GPU_INDEX_URL (a dry run: metadata only)"
-    resolve_gpu_stack "$tmp/requirements.txt" "$python" "$tmp/report-$python.json" || exit 1
-    compare_gpu_stack "$tmp/report-$python.json" "$python" "$GPU_REQUIREMENTS" || exit 1
+    resolve_gpu_stack "$CHECK_DIR/requirements.txt" "$python" "$CHECK_DIR/report-$python.json" || exit 1
+    compare_gpu_stack "$CHECK_DIR/report-$python.json" "$python" "$GPU_REQUIREMENTS" || exit 1
   done
 }
 
