@@ -142,9 +142,20 @@ check_gpu_stack() {
   trap 'rm -rf "$CHECK_DIR"' EXIT
   sed -E '/^transformer-engine/ { s/\[pytorch\]//; s/\[pytorch,/[/; s/,pytorch\]/]/; s/,pytorch,/,/; }' \
     "$GPU_REQUIREMENTS" >"$CHECK_DIR/requirements.txt"
+  # The Pythons resolve side by side (the resolver mostly waits on the index), and are
+  # reported one after the other.
+  local -A resolving
   for python in $SUPPORTED_PYTHONS; do
     echo "setup.sh: resolving $GPU_REQUIREMENTS for Python $python on Linux x86_64 from $GPU_INDEX_URL (a dry run: metadata only)"
-    resolve_gpu_stack "$CHECK_DIR/requirements.txt" "$python" "$CHECK_DIR/report-$python.json" || exit 1
+    resolve_gpu_stack "$CHECK_DIR/requirements.txt" "$python" "$CHECK_DIR/report-$python.json" \
+      2>"$CHECK_DIR/report-$python.err" &
+    resolving[$python]=$!
+  done
+  for python in $SUPPORTED_PYTHONS; do
+    if ! wait "${resolving[$python]}"; then
+      cat "$CHECK_DIR/report-$python.err" >&2
+      exit 1
+    fi
     compare_gpu_stack "$CHECK_DIR/report-$python.json" "$python" "$GPU_REQUIREMENTS" || exit 1
   done
 }

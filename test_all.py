@@ -1681,7 +1681,7 @@ def test_grpo_loss_k3_kl_is_bounded_at_ten_as_verl():
     torch.testing.assert_close(logprobs.grad, torch.tensor([1 - math.e, 0.0, 0.0, 0.0, 0.0]))
 
 
-def test_grpo_loss_sequence_rollout_mask_drops_a_sequence_with_an_infinite_log_ratio():
+def test_grpo_loss_sequence_level_mask_drops_a_sequence_with_an_infinite_log_ratio():
     # One token of a 40-token sequence has a -inf rollout log-prob (r = inf): bounding its
     # log r at 20 as verl does would give a geometric mean of e^0.5 and keep the sequence.
     old, rollout = torch.zeros(40), torch.zeros(40)
