@@ -2251,6 +2251,36 @@ def test_checkpoint_out_that_is_a_file_or_read_only_is_refused(tmp_path):
         subprocess.run(["umount", str(read_only)], check=True)
 
 
+def test_checkpoint_out_holding_another_runs_files_or_foreign_metrics_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    expected = [f"--out {str(out)!r} holds metrics.jsonl and final of an earlier run but no checkpoint to continue "
+                "it from; this run would overwrite them: pass another --out, or move them away to reuse this one"]
+    assert checkpoint.out_problems(str(out), "auto") == checkpoint.out_problems(str(out), "never") == expected
+    # torchrun restarting the worker group of a run stopped before its first checkpoint: the same run.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert checkpoint.out_problems(str(out), "auto") == []
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    (out / "checkpoints" / "step_000001").mkdir(parents=True)
+    assert checkpoint.out_problems(str(out), "auto") == []
+    # Someone else's metrics.jsonl: refused before any model loads, not a KeyError after.
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"loss": 0.3}\n')
+    assert checkpoint.out_problems(str(out), "auto") == [
+        f"{out / 'metrics.jsonl'}: line 2 is not a step record of train_grpo.py (a JSON object with an int \"step\"); "
+        "expected this project's metrics.jsonl: pass another --out"]
+
+
+def test_hf_weights_final_is_published_whole_with_the_umask_permissions(uninterrupted_run):
+    final = os.path.join(uninterrupted_run[0], "final")
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: stat_mode for name in os.listdir(final)
+             for stat_mode in [os.stat(os.path.join(final, name)).st_mode & 0o777]}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+    assert not any(os.path.exists(final + suffix) for suffix in (".partial", ".old"))
+
+
 # The disk for the full-disk test: room for the tiny model's first checkpoint (2 shards of
 # 23.7 MB: weights and Adam state) and not for a second beside it.
 SMALL_DISK = "80m"
@@ -4552,6 +4582,34 @@ def test_train_grpo_signals_stop_every_rank_at_one_step_saved_and_the_same_comma
     terminated, stdout = _stopped_at(resumed, signal.SIGTERM, out)
     assert f"resumed from {os.path.join(out, 'checkpoints', f'step_{interrupted:06d}')} (step {interrupted})" in \
         stdout and interrupted < terminated < 16
+
+
+def test_train_grpo_checkpoint_whose_first_step_is_not_finite_is_set_aside_and_the_one_before_resumes(
+        uninterrupted_run, tmp_path):
+    """Files whole (sizes and checksums hold) but a weight not finite: the resumed step's loss
+    is not finite, the checkpoint is set aside, and the same command falls back to the
+    checkpoint before it."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted_run[0], out)
+    newest, before = checkpoint.checkpoint_dirs(os.path.join(out, "checkpoints"))[:2]
+    meta = checkpoint.read_meta(newest)
+    for name in meta["files"]:
+        state = torch.load(os.path.join(newest, name), weights_only=True)
+        state["model"]["decoder.final_layernorm.weight"][0] = float("nan")
+        torch.save(state, os.path.join(newest, name))
+        meta["files"][name] = os.path.getsize(os.path.join(newest, name))
+        meta["sha256"][name] = checkpoint.file_sha256(os.path.join(newest, name))
+    with open(os.path.join(newest, checkpoint.CHECKPOINT_META), "w") as f:
+        json.dump(meta, f)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py", "--out", out,
+               *SHORT_RUN[2:], "--steps", "6"]
+    poisoned = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert poisoned.returncode != 0 and poisoned.stderr.count(
+        f"train_grpo.py: step {meta['step'] + 1}: non-finite loss") == 1, poisoned.stderr[-3000:]
+    assert f"set aside as {newest}.nonfinite, and the same command resumes from the one before" in poisoned.stderr
+    assert checkpoint.checkpoint_dirs(os.path.join(out, "checkpoints"))[0] == before
+    resumed = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert resumed.returncode == 0 and f"resumed from {before}" in resumed.stdout, resumed.stderr[-3000:]
 
 
 def test_flags_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):

@@ -417,6 +417,8 @@ def main(args):
             record = run_step(run, step)
         except RewardFailure as failure:
             raise stopped_by_reward(run, step, failure)
+        except FloatingPointError as error:
+            raise non_finite(run, resume_dir, step, error)
         if run.rank == 0:
             records.append(record)
             run_log.log_step(record, metrics_path, writer, s.steps, time.time() - started, step - run.start_step,
@@ -480,6 +482,20 @@ def stopped_by_reward(run, step_under_way, failure):
     if failure.signum:
         return stopped(run, step, failure.signum)
     return usage_error(f"{failure}; {kept}")
+
+
+def non_finite(run, resume_dir, step, error):
+    """The SystemExit of a step whose loss or gradient norm is not finite (`error`). When it
+    is the first step after a resume, the checkpoint resumed from is what holds the bad
+    state: it is set aside (rank 0), so that the same command falls back to the one before."""
+    message = f"step {step}: {error}"
+    if resume_dir and step == run.start_step + 1:
+        dist.barrier()
+        if run.rank == 0:
+            aside = checkpoint.set_aside(resume_dir, "nonfinite")
+            message += (f"; the checkpoint it resumed from gives this at its first step, so it was set aside as "
+                        f"{aside}, and the same command resumes from the one before it")
+    return usage_error(message)
 
 
 def stopped(run, step, signum):
