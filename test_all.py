@@ -4584,7 +4584,7 @@ def test_train_grpo_signals_stop_every_rank_at_one_step_saved_and_the_same_comma
         stdout and interrupted < terminated < 16
 
 
-def test_train_grpo_checkpoint_whose_first_step_is_not_finite_is_set_aside_and_the_one_before_resumes(
+def test_train_grpo_saved_state_whose_first_step_is_not_finite_is_set_aside_and_the_one_before_resumes(
         uninterrupted_run, tmp_path):
     """Files whole (sizes and checksums hold) but a weight not finite: the resumed step's loss
     is not finite, the checkpoint is set aside, and the same command falls back to the
