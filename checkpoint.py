@@ -77,6 +77,18 @@ def lock_out(out):
     return lock
 
 
+def in_use(out):
+    """Whether a live run holds OUT/.lock (`lock_out`'s refusal then names it)."""
+    try:
+        with open(os.path.join(out, LOCK_FILE)) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return False
+    except BlockingIOError:
+        return True
+    return False
+
+
 class StopRequest:
     """SIGTERM and SIGINT (what a scheduler sends before preemption, and Ctrl-C) as a request
     to stop at the next step boundary with a checkpoint, instead of dying mid-step.
@@ -282,7 +294,7 @@ def another_runs_files(out):
     checkpoint, and starts over."""
     found = [name for name in (METRICS_FILE, FINAL_DIR) if os.path.exists(os.path.join(out, name))]
     if not found or checkpoint_dirs(os.path.join(out, CHECKPOINTS_DIR)) \
-            or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or in_use(out):
         return []
     return [f"--out {out!r} holds {' and '.join(found)} of an earlier run but no checkpoint to continue it from; "
             "this run would overwrite them: pass another --out, or move them away to reuse this one"]

@@ -26,11 +26,11 @@ functions that build engines) and the project's spec_config, draft_tuner, vllm_s
 tasks.
 """
 
+import collections
 import dataclasses
 import json
 import os
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -279,6 +279,11 @@ def sampling_params(n, temperature, max_tokens, ignore_eos):
                           skip_special_tokens=False, detokenize=False)
 
 
+# The fields of vLLM's request that its detokenizer reads.
+DetokenizerRequest = collections.namedtuple("DetokenizerRequest",
+                                            "request_id prompt_token_ids prompt_embeds sampling_params")
+
+
 def completion_texts(llm, params, output):
     """The texts vLLM returns for the completions of `output` (a RequestOutput) when it
     detokenizes, decoded after the fact: vLLM's own incremental detokenizer for the request
@@ -287,9 +292,7 @@ def completion_texts(llm, params, output):
     the text, as vLLM does. Token by token or at once, the detokenizer's text is the same."""
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
     tokenizer = llm.get_tokenizer()
-    # The detokenizer reads only these fields of vLLM's request.
-    request = types.SimpleNamespace(request_id=output.request_id, prompt_token_ids=list(output.prompt_token_ids),
-                                    prompt_embeds=None, sampling_params=params)
+    request = DetokenizerRequest(output.request_id, list(output.prompt_token_ids), None, params)
     texts = []
     for completion in output.outputs:
         detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)

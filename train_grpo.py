@@ -153,7 +153,7 @@ def score(samples, credit, completed, stop=None):
     """Each sample's credits ([floats]), on every rank, each sample scored once: rank r scores
     samples r, r + world size, ... (a paid judge is called once per completion) and the
     rows are shared. A reward that fails on any rank is a RewardFailure on every rank."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine, failure, signum = {}, None, 0
     for index in range(rank, len(samples), world_size):
         try:
@@ -161,8 +161,9 @@ def score(samples, credit, completed, stop=None):
         except (tasks.InputError, tasks.RewardInterrupted) as error:
             failure, signum = f"rank {rank}: {error}", stop.signum if stop is not None else 0
             break
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, (mine, failure, signum))
+    gathered = [(mine, failure, signum)] * world_size
+    if world_size > 1:
+        dist.all_gather_object(gathered, gathered[0])
     failures = [(failure, signum) for _, failure, signum in gathered if failure]
     if failures:
         raise RewardFailure(failures[0][0], max(signum for _, signum in failures), completed)
