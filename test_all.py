@@ -3963,14 +3963,20 @@ def test_train_grpo_reward_that_hangs_late_on_one_rank_saves_the_last_step_and_r
     assert hung.returncode != 0 and len(said) == 1, hung.stderr[-3000:]
     newest = checkpoint.checkpoint_dirs(os.path.join(out, "checkpoints"))[0]
     assert newest.endswith("step_000002") and checkpoint.checkpoint_problem(newest) is None
+    # The fixed file: the same command's resume is refused (as train_grpo.main checks it,
+    # before any process group), until told that the file changed.
     rewards.write_text(LATE_REWARD.replace("time.sleep(3600)", "pass"))
-    refused = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
-    assert refused.returncode != 0 and refused.stderr.count(f"--reward '{rewards}:late' changed in content since "
-                                                            f"{newest} was saved") == 1, refused.stderr[-3000:]
-    # Told that the file changed, the same resume goes ahead.
-    given = flags.parse_args(command[command.index("--out"):] + ["--resume-with-changed-inputs"])
-    settings = flags.resolve(given, flags.model_config(given))
-    flags.refuse_changed_inputs(newest, settings, train_grpo.input_digests(settings))
+    for told in ([], ["--resume-with-changed-inputs"]):
+        settings = _settings(command[command.index("--out"):] + told)
+        digests = train_grpo.input_digests(settings)
+        if told:
+            flags.refuse_changed_inputs(newest, settings, digests)
+            continue
+        with pytest.raises(SystemExit) as refused:
+            flags.refuse_changed_inputs(newest, settings, digests)
+        assert str(refused.value.code) == (
+            f"train_grpo.py: --resume auto: --reward '{rewards}:late' changed in content since {newest} was saved; "
+            "resume with the files that run read, or pass --resume-with-changed-inputs to train on the new ones")
 
 
 def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
@@ -4890,36 +4896,59 @@ GPU_CHECK_TIMEOUT_SECONDS = 600
 GPU_PINS = "torch==2.13.0, vllm==0.32.0, megatron-core==0.16.1, transformer-engine==2.17.1 as pinned"
 
 
-def _check_gpu_stack(requirements=None):
-    """`setup.sh --check-gpu-stack`, with GPU_REQUIREMENTS when given. Returns
-    (exit code, stdout, stderr, seconds)."""
+def _start_gpu_stack_check(requirements=None):
+    """`setup.sh --check-gpu-stack` started in the background, with GPU_REQUIREMENTS when
+    given: (its Popen, the monotonic start)."""
     env = dict(os.environ, VENV=os.path.join(REPO_DIR, ".venv"), PYTHON=sys.executable)
     if requirements:
         env["GPU_REQUIREMENTS"] = str(requirements)
-    started = time.monotonic()
-    done = subprocess.run([os.path.join(REPO_DIR, "setup.sh"), "--check-gpu-stack"], env=env,
-                          capture_output=True, text=True, timeout=GPU_CHECK_TIMEOUT_SECONDS)
-    return done.returncode, done.stdout, done.stderr, time.monotonic() - started
+    return subprocess.Popen([os.path.join(REPO_DIR, "setup.sh"), "--check-gpu-stack"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), time.monotonic()
 
 
-def test_setup_gpu_stack_resolves_to_the_pins():
-    code, out, err, seconds = _check_gpu_stack()
-    print(out, f"resolved in {seconds:.0f} s", sep="\n")
+@pytest.fixture(scope="session", autouse=True)
+def gpu_stack_checks(request, tmp_path_factory):
+    """The pinned requirements and a planted conflict (torch==2.12.0), each through
+    `setup.sh --check-gpu-stack`, started when the session starts if it runs their tests:
+    they wait on the package index, not the CPU, so they resolve beside the other tests.
+    {"pinned" / "planted": (its Popen, the start, the planted file)}."""
+    if not any(item.name.startswith("test_setup_gpu_stack_") for item in request.session.items):
+        yield {}
+        return
+    with open(os.path.join(REPO_DIR, "requirements.txt")) as pinned:
+        planted = pinned.read().replace("torch==2.13.0\n", "torch==2.12.0\n")
+    assert "torch==2.12.0" in planted
+    planted_file = tmp_path_factory.mktemp("planted") / "requirements.txt"
+    planted_file.write_text(planted)
+    checks = {"pinned": (*_start_gpu_stack_check(), None),
+              "planted": (*_start_gpu_stack_check(planted_file), planted_file)}
+    yield checks
+    for process, _, _ in checks.values():
+        process.kill()
+        process.communicate()
+
+
+def _gpu_stack_check_result(checks, name):
+    """(exit code, stdout, stderr, seconds since it started, the planted file) of a check."""
+    process, started, planted_file = checks[name]
+    out, err = process.communicate(timeout=GPU_CHECK_TIMEOUT_SECONDS)
+    return process.returncode, out, err, time.monotonic() - started, planted_file
+
+
+def test_setup_gpu_stack_resolves_to_the_pins(gpu_stack_checks):
+    code, out, err, seconds, _ = _gpu_stack_check_result(gpu_stack_checks, "pinned")
+    print(out, f"resolved within {seconds:.0f} s", sep="\n")
     assert code == 0, err
     for python in ("3.11", "3.12"):
         assert f"setup.sh: Python {python}: {GPU_PINS}" in out
 
 
-def test_setup_gpu_stack_check_names_a_planted_conflict(tmp_path):
-    with open(os.path.join(REPO_DIR, "requirements.txt")) as pinned:
-        planted = pinned.read().replace("torch==2.13.0\n", "torch==2.12.0\n")
-    assert "torch==2.12.0" in planted
-    (tmp_path / "requirements.txt").write_text(planted)
-    code, out, err, seconds = _check_gpu_stack(tmp_path / "requirements.txt")
-    print(err, f"failed in {seconds:.0f} s", sep="\n")
+def test_setup_gpu_stack_check_names_a_planted_conflict(gpu_stack_checks):
+    code, out, err, seconds, planted_file = _gpu_stack_check_result(gpu_stack_checks, "planted")
+    print(err, f"failed within {seconds:.0f} s", sep="\n")
     assert code == 1
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"setup.sh: {tmp_path / 'requirements.txt'} does not resolve on Python 3.11 (Linux x86_64): ")
+    assert last.startswith(f"setup.sh: {planted_file} does not resolve on Python 3.11 (Linux x86_64): ")
     assert "The user requested torch==2.12.0" in last and "vllm 0.32.0 depends on torch==2.13.0" in last
 
 
