@@ -535,29 +535,26 @@ def call_reward(reward_function, args, where, timeout_s=REWARD_TIMEOUT_S, interr
     `interrupted()` turning true while it runs is RewardInterrupted. A call that never
     returns is abandoned on its thread (Python cannot stop a thread), which cannot hold the
     process at exit."""
-    if timeout_s is None:
-        try:
-            return reward_function(*args)
-        except (Exception, SystemExit) as error:
-            raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights "
-                             "changed") from error
     outcome = {}
 
     def call():
         try:
             outcome["value"] = reward_function(*args)
-        except BaseException as error:  # SystemExit and KeyboardInterrupt too: said, not silent
+        except (Exception, SystemExit) as error:  # an exit is said, not silent
             outcome["error"] = error
-    worker = threading.Thread(target=call, name="reward", daemon=True)
-    deadline = time.monotonic() + timeout_s if timeout_s else math.inf
-    worker.start()
-    while worker.is_alive():
-        worker.join(min(REWARD_POLL_S, max(0.0, deadline - time.monotonic())))
-        if worker.is_alive() and interrupted is not None and interrupted():
-            raise RewardInterrupted(f"{where}: a stop signal arrived while it ran")
-        if worker.is_alive() and time.monotonic() >= deadline:
-            raise InputError(f"{where} did not return within --reward-timeout {timeout_s:g} s; stopped (raise "
-                             "--reward-timeout for a slower reward, 0 for no limit)")
+    if timeout_s is None:
+        call()
+    else:
+        worker = threading.Thread(target=call, name="reward", daemon=True)
+        deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+        worker.start()
+        while worker.is_alive():
+            worker.join(min(REWARD_POLL_S, max(0.0, deadline - time.monotonic())))
+            if worker.is_alive() and interrupted is not None and interrupted():
+                raise RewardInterrupted(f"{where}: a stop signal arrived while it ran")
+            if worker.is_alive() and time.monotonic() >= deadline:
+                raise InputError(f"{where} did not return within --reward-timeout {timeout_s:g} s; stopped (raise "
+                                 "--reward-timeout for a slower reward, 0 for no limit)")
     if "error" in outcome:
         error = outcome["error"]
         raise InputError(f"{where} raised {type(error).__name__}: {error}; stopped before the weights changed") \
