@@ -205,9 +205,9 @@ def seeded_params(count, rollout):
 
 def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
     """auto as train_grpo runs it (draft_tuner's plan and after_rollout): an acceptance check
-    at the deepest k, then rollouts at the k the tuner names until it settles; returns
-    (the k it settles on, which `dynamic` is left set to unless 0; the k tried in order;
-    the tuner)."""
+    at the deepest k, then rollouts at the variant the tuner names until it settles; returns
+    (the k it settles on at this concurrency, which `dynamic` is left set to unless 0; the
+    variants tried in order, "plain" or a k; the tuner)."""
     from vllm import SamplingParams
     check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                   ignore_eos=True)
@@ -216,19 +216,23 @@ def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
         spec_config.set_draft_tokens(dynamic, SPEC_MAX_DRAFT_TOKENS)
         return dynamic_meter.read(dynamic.generate(prompts, check_params, use_tqdm=False))
 
-    tuner = draft_tuner.DraftTuner(SPEC_MAX_DRAFT_TOKENS)
+    tuner = draft_tuner.DraftTuner(SPEC_MAX_DRAFT_TOKENS, len(spec_config.BAND_EDGES))
+    band_meters = {id(engine): spec_config.BandMeter(engine) for engine in (fixed[0], dynamic)}
     # Neither a second check nor a second round of tries falls in the rollouts measured here.
-    schedule = dict(check_every=10**9, tune_every=10**9)
-    draft_tokens, _ = rollout.plan_draft_tokens(tuner, dynamic, 1, check, drafting=False, **schedule)
+    planning = dict(check_every=10**9, tune_every=10**9)
+    schedule, _ = rollout.plan_draft_tokens(tuner, dynamic, 1, check, drafting=False, **planning)
     tried = []
     while tuner.exploring():
-        tried.append(draft_tokens)
-        engine = dynamic if draft_tokens else fixed[0]
-        speed, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
-        tuner.after_rollout(draft_tokens, speed, dynamic_meter.read(outputs) if draft_tokens else None)
-        draft_tokens, _ = rollout.plan_draft_tokens(tuner, dynamic, 1 + len(tried), check, drafting=bool(draft_tokens),
-                                                    **schedule)
-    return draft_tokens, tried, tuner
+        tried.append(draft_tuner.PLAIN if schedule is None else schedule[0])
+        engine = fixed[0] if schedule is None else dynamic
+        band_meters[id(engine)].read()
+        _, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
+        drafting = schedule is not None and any(schedule)
+        tuner.after_rollout(schedule, {band: (counts["tokens"], counts["seconds"])
+                                       for band, counts in band_meters[id(engine)].read().items()},
+                            dynamic_meter.read(outputs) if drafting else None)
+        schedule, _ = rollout.plan_draft_tokens(tuner, dynamic, 1 + len(tried), check, drafting=drafting, **planning)
+    return (schedule[spec_config.band_of(len(prompts))] if schedule else 0), tried, tuner
 
 
 def measure_spec_rollout(checkpoint, threads):
@@ -266,11 +270,21 @@ def measure_spec_rollout(checkpoint, threads):
                     by_depth = draft_tuner.acceptance_by_depth(counts)
         results[concurrency] = {"tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
                                 "acceptance_by_depth": by_depth, "auto": auto,
-                                "auto_tried": tried, "auto_realized": tuner.realized_speeds(),
+                                "auto_tried": tried, "auto_realized": auto_band_speedups(tuner, concurrency),
                                 "tune_s": tune_seconds}
         print(f"spec_rollout: {concurrency} seqs measured, {time.perf_counter() - started:.0f} s so far", file=sys.stderr,
               flush=True)
     return results
+
+
+def auto_band_speedups(tuner, concurrency):
+    """The tries' fastest tokens/s at `concurrency`'s band, per variant (plain, k = 0, 1, ...),
+    relative to the plain engine's; None where a variant was not tried."""
+    band = spec_config.band_of(concurrency)
+    plain = tuner.band_speeds(draft_tuner.PLAIN)[band] if draft_tuner.PLAIN in tuner.realized else None
+    if not plain:
+        return None
+    return {str(variant): (tuner.band_speeds(variant)[band] or 0.0) / plain for variant in tuner.realized}
 
 
 def rollout_tokens_per_second(engine, prompts, params):
@@ -319,7 +333,7 @@ def row_spec_rollout(checkpoint=None):
             "notes": ("tokens/s k=0..3: " + " / ".join(f"{speeds[k]:.0f}" for k in range(SPEC_MAX_DRAFT_TOKENS + 1))
                       + f"; best k={best} {speeds[best] / speeds[0]:.2f}x no drafting; auto: "
                       + f"tried k={','.join(map(str, result['auto_tried'])) or '-'} (fastest "
-                      + ("/".join("-" if speed is None else f"{speed:.2f}" for speed in result["auto_realized"])
+                      + (", ".join(f"{variant} {speed:.2f}" for variant, speed in result["auto_realized"].items())
                          if result["auto_realized"] else "-")
                       + f"x), chose k={result['auto']} in {result['tune_s']:.1f} s: "
                       f"{speeds['auto']:.0f} tok/s, {speeds['auto'] / speeds[best_fixed]:.2f}x the best fixed k, "

@@ -1,4 +1,5 @@
-"""How many tokens the MTP head drafts per verify step: chosen from the rollouts' own speed.
+"""How many tokens the MTP head drafts per verify step, per band of live batch sizes: chosen
+from the rollouts' own speed.
 
 Drafting pays when the target is deep next to its draft and the batch is small; at high
 concurrency verifying drafts costs as much as it saves, and a draft the policy has moved
@@ -8,11 +9,12 @@ shared machine a burst of load slows a short rollout whole, and at temperature 1
 sequences sampled off what the draft predicts make one short rollout far slower than the
 next), while a few real rollouts taking turns over k measure each to a few percent.
 
-    tuner = DraftTuner(max_tokens=3)
+    tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
     for step in steps:
-        k, checked = tuner.plan(step, check, check_every=5, tune_every=50, drafting=k > 0)
-        ...roll out at k (0: no drafting), timing it...
-        tuner.after_rollout(k, tokens_per_second, acceptance)
+        schedule, checked = tuner.plan(step, check, check_every=5, tune_every=50, drafting=drafted)
+        ...roll out: the plain engine (schedule None), else the drafting one at schedule[band]
+           in each band of batch sizes, counting each band's tokens and seconds...
+        tuner.after_rollout(schedule, {band: (tokens, seconds)}, acceptance)
 
 A_i = P(the first i drafts of a verify step are accepted) moves with the policy and its
 MTP head every step: it is read from the engine's acceptance counts after each drafting
@@ -41,7 +43,7 @@ def acceptance_by_depth(statistics):
     return [count / statistics["num_drafts"] for count in statistics["accepted_per_position"][:depth]]
 
 
-# DraftTuner: each k tried on this many rollouts (in turns), its fastest counting (one
+# DraftTuner: each variant tried on this many rollouts (in turns), its fastest counting (one
 # rollout's speed differs from the next by about 5%, and a burst of load slows one of
 # them); and the least a drafted token costs, as a share of a target step (one MTP layer
 # next to a 16-layer target costs more): a k whose drafts add fewer tokens per step is not
@@ -52,47 +54,57 @@ MIN_DRAFT_COST = 0.05
 # deepest k) and prompts per engine (each with the rollout's completions per prompt).
 ACCEPTANCE_CHECK_TOKENS = 12
 ACCEPTANCE_CHECK_PROMPTS = 2
+# The engine without a speculative config: at k = 0 it decodes faster than a drafting
+# engine at k = 0, whose draft layer still runs every step.
+PLAIN = "plain"
 
 
 class DraftTuner:
-    """Chooses the number of draft tokens k in 0..max_tokens whose rollouts run fastest.
+    """Chooses the engine and, per concurrency band, the number of draft tokens k in
+    0..max_tokens whose rollouts run fastest.
 
-    `plan` and `after_rollout` (above in the module docstring) are the whole use; inside
-    them: `observe` takes a drafting rollout's or check's acceptance, `try_each` lines up
-    the tries, `choose` names each rollout's k and `record` takes a try's tokens/s.
+    A rollout thins as its sequences end, and drafting pays more the fewer sequences share
+    an engine step: the crowded start may be fastest at k = 0 and the tail at k = 3. So
+    each rollout's steps are measured per band of batch sizes (spec_config.BandMeter):
+    tokens and seconds per band. `plan` and `after_rollout` (above in the module
+    docstring) are the whole use.
 
-    `try_each` lines up the next rollouts: k = 0 and every k that could pay, `rounds` each
-    in turn (0, 1, 2, 3, 0, 1, 2, 3, ...); `choose` names the k of each, `record` takes its
-    tokens/s. Each k counts its fastest try (a burst of load slows one rollout, not the
-    choice), and the fastest k stays; drafting must beat no drafting by `margin` (a
-    fraction), so noise does not buy a slower rollout. Which rollouts are tries depends on
-    the acceptance alone: where one k wins clearly, a run is as reproducible as with a
-    fixed k. A k could pay only where a verify step's tokens (1 + A_1 + ... + A_k, A_i the
-    acceptance at depth i) are at least 1 + margin times its cost with each draft at
-    MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST): a random draft is not tried. Between
-    tries a rollout's speed at k follows the tokens its steps emit, so the chosen k's tried
-    speed is scaled by 1 + A_1 + ... + A_k now over then: where that falls below no
-    drafting's (a draft the policy left behind) the next rollout does not draft. `retry` (a
-    fraction): the tries are stale once the tokens a deepest-k step emits rose this much
-    since they ended (or fell this much while drafting). Its state is plain data
-    (`state_dict`, `load_state_dict`) for checkpoints.
+    The tries: the next rollouts take turns over the variants, `rounds` each: the plain
+    engine (PLAIN), the drafting engine at k = 0, and at every k that could pay (PLAIN, 0, 1,
+    2, 3, PLAIN, 0, ...), each at one k for every band. A k could pay only where a verify
+    step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at least 1 +
+    margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x
+    MIN_DRAFT_COST): a random draft is not tried. Each variant counts its fastest try per
+    band (a burst of load slows one rollout, not the choice).
+
+    The choice (`choose`, after the tries): per band, the drafting k fastest there (k > 0
+    must beat k = 0 by `margin`, so noise does not buy a slower band); that schedule's
+    rollout time, the tries' tokens per band over each band's speed, against the plain
+    engine's, which must be slower by `margin` for the drafting engine to roll out. Between
+    tries a band's speed at k follows the tokens its steps emit, so each tried speed is
+    scaled by 1 + A_1 + ... + A_k now over then: a draft the policy left behind drops its
+    bands to k = 0, and the plain engine once no band drafts. `retry` (a fraction): the
+    tries are stale once the tokens a deepest-k step emits rose this much since they ended
+    (or fell this much while drafting). Its state is plain data (`state_dict`,
+    `load_state_dict`) for checkpoints.
     """
 
-    def __init__(self, max_tokens, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
-        for name, value in (("max_tokens", max_tokens), ("rounds", rounds)):
+    def __init__(self, max_tokens, num_bands, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
+        for name, value in (("max_tokens", max_tokens), ("num_bands", num_bands), ("rounds", rounds)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
-        self.max_tokens, self.margin, self.retry, self.rounds = max_tokens, margin, retry, rounds
+        self.max_tokens, self.num_bands, self.margin, self.retry, self.rounds = (max_tokens, num_bands, margin,
+                                                                                 retry, rounds)
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
         self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries ended (began, while they run)
-        self.schedule = []  # the k of the rollouts still to try, in order
-        self.realized = [[] for _ in range(max_tokens + 1)]  # tokens/s of the tries at each k
-        # The k the tries chose, and 1 + A_1 + ... + A_k when they ended.
-        self.chosen, self.chosen_tokens_per_step = 0, 1.0
+        self.schedule = []  # the variants of the rollouts still to try, in order
+        self.realized = {}  # variant -> [each band's tries' tokens/s]
+        self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
+        self.tried_acceptance = None  # [A_1, ..., A_max] when the tries ended; None: no tries to choose from
 
-    def tokens_per_step(self, draft_tokens):
+    def tokens_per_step(self, draft_tokens, acceptance=None):
         """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
-        return 1 + sum(self.acceptance[:draft_tokens])
+        return 1 + sum((self.acceptance if acceptance is None else acceptance)[:draft_tokens])
 
     def observe(self, statistics):
         """Take the acceptance of a rollout or check that drafted k tokens: A_1..A_k are
@@ -105,75 +117,95 @@ class DraftTuner:
             self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
 
     def try_each(self):
-        """Line up the tries of k = 0 and every k that could pay at the current acceptance
-        (none where no drafting k could: then k = 0)."""
-        candidates = [0] + [k for k in range(1, self.max_tokens + 1)
-                            if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
-        self.schedule = candidates * self.rounds if len(candidates) > 1 else []
-        self.realized = [[] for _ in range(self.max_tokens + 1)]
+        """Line up the tries of PLAIN, k = 0 and every k that could pay at the current
+        acceptance (none where no drafting k could: then the plain engine)."""
+        candidates = [k for k in range(1, self.max_tokens + 1)
+                      if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
+        variants = [PLAIN, 0, *candidates] if candidates else []
+        self.schedule = variants * self.rounds
+        self.realized = {variant: [[] for _ in range(self.num_bands)] for variant in variants}
+        self.band_tokens = [0] * self.num_bands
         self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
-        self.chosen, self.chosen_tokens_per_step = 0, 1.0
+        self.tried_acceptance = None
 
     def exploring(self):
-        """Whether the next rollouts are tries (at the k `choose` names, for `record`)."""
+        """Whether the next rollouts are tries (at the variant `choose` names, for `record`)."""
         return bool(self.schedule)
 
     def is_stale(self):
         """Whether the acceptance moved so far since the tries began that their choice may
         no longer hold: up by more than `retry` (a k that lost may win now), or down by more
-        while a drafting k was chosen (fewer drafts may be best now). Down while nothing
-        drafts is not: a k that lost at the tries' acceptance loses at a lower one."""
+        while the tries chose to draft (fewer drafts may be best now). Down while nothing drafts is
+        not: a k that lost at the tries' acceptance loses at a lower one."""
         if self.tried_tokens_per_step is None:
             return False
         moved = self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1
-        return moved > self.retry or (self.chosen > 0 and -moved > self.retry)
+        drafted = self.tried_acceptance is not None and self._fastest_schedule(self.tried_acceptance) is not None
+        return moved > self.retry or (drafted and -moved > self.retry)
 
-    def record(self, draft_tokens, tokens_per_second):
-        """The tokens/s of a rollout at `draft_tokens`, the k `choose` named. Outside the tries
-        nothing is kept: the machine's speed drifts over minutes, so only rollouts taking
-        turns are compared."""
+    def record(self, band_counts):
+        """A try's measurement: {band: (tokens, seconds)} of the rollout at the variant
+        `choose` named. Outside the tries nothing is kept: the machine's speed drifts over
+        minutes, so only rollouts taking turns are compared."""
         if not self.schedule:
             return
-        if draft_tokens != self.schedule[0]:
-            raise ValueError(f"draft_tokens={draft_tokens!r}: expected {self.schedule[0]}, the k choose() named for "
-                             "this rollout")
-        if not (isinstance(tokens_per_second, (int, float)) and tokens_per_second > 0
-                and math.isfinite(tokens_per_second)):
-            raise ValueError(f"tokens_per_second={tokens_per_second!r}: expected a positive finite speed")
-        self.realized[self.schedule.pop(0)].append(tokens_per_second)
-        if not self.schedule:  # k = 0 was tried first: every speed is relative to its
-            speeds = self.realized_speeds()
-            best = max(range(len(speeds)), key=lambda k: speeds[k] or 0.0)
-            self.chosen = best if speeds[best] >= 1 + self.margin else 0
-            self.chosen_tokens_per_step = self.tokens_per_step(self.chosen)
-            # The tries' drafting rollouts measured the acceptance as they went: staleness
-            # counts from where they left it.
+        variant = self.schedule.pop(0)
+        for band, (tokens, seconds) in band_counts.items():
+            if not (0 <= band < self.num_bands and tokens >= 0 and seconds > 0 and math.isfinite(seconds)):
+                raise ValueError(f"band_counts[{band!r}] = {(tokens, seconds)!r}: expected a band in 0..{self.num_bands - 1} "
+                                 "with tokens >= 0 and positive finite seconds")
+            self.realized[variant][band].append(tokens / seconds)
+            self.band_tokens[band] += tokens
+        if not self.schedule:
             self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
+            self.tried_acceptance = list(self.acceptance)
 
-    def realized_speeds(self):
-        """[each k's fastest try relative to k = 0's, None where not tried], None before k = 0's."""
-        if not self.realized[0]:
-            return None
-        return [max(speeds) / max(self.realized[0]) if speeds else None for speeds in self.realized]
+    def band_speeds(self, variant):
+        """[each band's fastest tried tokens/s at `variant`, None where it ran no step]."""
+        return [max(speeds) if speeds else None for speeds in self.realized[variant]]
 
     def choose(self):
-        """The k of the next rollout: the next try, else the fastest tried (0 where nothing
-        was tried, or the acceptance since scales it below no drafting)."""
+        """The next rollout's schedule: the next try's (None: PLAIN; else one k for every
+        band), else the fastest (above) at today's acceptance."""
         if self.schedule:
-            return self.schedule[0]
-        if not self.chosen:
-            return 0
-        scaled = self.realized_speeds()[self.chosen] * self.tokens_per_step(self.chosen) / self.chosen_tokens_per_step
-        return self.chosen if scaled >= 1 else 0
+            variant = self.schedule[0]
+            return None if variant == PLAIN else [variant] * self.num_bands
+        if self.tried_acceptance is None:
+            return None
+        return self._fastest_schedule()
+
+    def _fastest_schedule(self, acceptance=None):
+        """Per band the fastest drafting k (its speed scaled to `acceptance`, default
+        today's), where the bands' rollout time beats the plain engine's; else None."""
+        plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
+        schedule, drafting_seconds, plain_seconds = [], 0.0, 0.0
+        for band in range(self.num_bands):
+            best, best_speed = 0, no_draft[band]
+            for k in (variant for variant in self.realized if variant not in (PLAIN, 0)):
+                speed = self.band_speeds(k)[band]
+                if speed is None or best_speed is None:
+                    continue
+                speed *= self.tokens_per_step(k, acceptance) / self.tokens_per_step(k, self.tried_acceptance)
+                if speed >= (1 + self.margin) * no_draft[band] and speed > best_speed:
+                    best, best_speed = k, speed
+            schedule.append(best)
+            if self.band_tokens[band] and best_speed and plain[band]:
+                drafting_seconds += self.band_tokens[band] / best_speed
+                plain_seconds += self.band_tokens[band] / plain[band]
+        schedule = _fill_unseen(schedule, [speed is not None for speed in no_draft])
+        if not any(schedule) or plain_seconds < (1 + self.margin) * drafting_seconds:
+            return None
+        return schedule
 
     def plan(self, step, check, check_every, tune_every, drafting):
-        """Before rollout `step` (1-based): returns (k, the check's statistics or None).
+        """Before rollout `step` (1-based): returns (the rollout's schedule, None: the plain
+        engine, else a k per band; the check's statistics or None).
 
         Outside the tries: while the last rollout did not draft (`drafting` False), at a
         run's first plan and every `check_every` steps `check()` measures the acceptance at
         the deepest k; at the first plan, every `tune_every` steps and once the acceptance
-        moved far, the next rollouts try each k that could pay in turn. `exploring()`
-        after it says whether this rollout is a try (`after_rollout` then needs its speed).
+        moved far, the next rollouts try each variant in turn. `exploring()` after it says
+        whether this rollout is a try (`after_rollout` then needs its band counts).
         """
         checked = None
         first = self.tried_tokens_per_step is None
@@ -185,22 +217,34 @@ class DraftTuner:
                 self.try_each()
         return self.choose(), checked
 
-    def after_rollout(self, draft_tokens, tokens_per_second, statistics):
-        """After a rollout at the k `plan` named: its tokens/s (a try's speed; None outside
-        the tries) and its acceptance statistics (None without drafting)."""
+    def after_rollout(self, schedule, band_counts, statistics):
+        """After a rollout at the schedule `plan` named: its {band: (tokens, seconds)} (a
+        try's; ignored outside the tries) and its acceptance statistics (None without
+        drafting)."""
         if self.exploring():
-            self.record(draft_tokens, tokens_per_second)
-        if draft_tokens:
+            self.record(band_counts)
+        if schedule is not None and any(schedule):
             self.observe(statistics)
 
     def state_dict(self):
         return {name: getattr(self, name) for name in self._STATE}
 
     def load_state_dict(self, state):
-        if state["max_tokens"] != self.max_tokens:
-            raise ValueError(f"a tuner state for max_tokens {state['max_tokens']}, this tuner has {self.max_tokens}")
+        for name in ("max_tokens", "num_bands"):
+            if state.get(name) != getattr(self, name):
+                raise ValueError(f"a tuner state for {name} {state.get(name)}, this tuner has {getattr(self, name)}")
         for name in self._STATE:
             setattr(self, name, state[name])
 
-    _STATE = ("max_tokens", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step", "schedule", "realized",
-              "chosen", "chosen_tokens_per_step")
+    _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
+              "schedule", "realized", "band_tokens", "tried_acceptance")
+
+
+def _fill_unseen(schedule, seen):
+    """Bands the tries never ran take the k of the nearest band they ran (the fewer
+    sequences side on a tie); all 0 where they ran none."""
+    seen_bands = [band for band, ran in enumerate(seen) if ran]
+    if not seen_bands:
+        return [0] * len(schedule)
+    return [schedule[band] if seen[band] else schedule[min(seen_bands, key=lambda s: (abs(s - band), s))]
+            for band in range(len(schedule))]

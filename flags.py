@@ -109,7 +109,9 @@ def add_data_flags(p):
     p.add_argument("--task", choices=sorted(tasks.TASKS), default="repeat",
                    help="built-in task without --data: repeat ('repeat:c' -> 'ccc', per-letter credit) or count "
                         f"('count:7' -> the next {tasks.TASKS['count']['length']} digits counting up mod 10, "
-                        "'8901...', credit for each digit that follows the one before)")
+                        "'8901...', credit for each digit that follows the one before) or walk ('walk:q' -> "
+                        "'rStu...z' then EOS: long-tailed response lengths, credit for each symbol that follows the "
+                        "one before, in either case)")
     p.add_argument("--count-step", type=number(int, at_least=1, at_most=tasks.MAX_COUNT_STEP), default=1,
                    help="--task count counts in steps of this many mod 10 (2: 'count:7' -> '9135...'); a policy "
                         "trained on one step and then on another is a policy that moves away from its MTP draft")
@@ -451,13 +453,15 @@ def flag_problems(args, world_size):
 
 def resolve(args, hf_config):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
-    lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix and the built-in
+    ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix and the built-in
     model's name);
     `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     derived = {
         "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else (
             DATA_MAX_NEW_TOKENS if args.data else tasks.TASKS[args.task]["length"]),
+        # A built-in task without EOS samples exactly max_new_tokens; data and walk end at EOS.
+        "ignore_eos": args.data is None and not tasks.TASKS[args.task]["eos"],
         "lr": args.lr if args.lr is not None else DATA_LR if args.data else tasks.TASKS[args.task]["lr"],
         "mtp_rollout": has_mtp if args.mtp_rollout is None else args.mtp_rollout,
         "mtp_train": args.mtp_train and has_mtp,

@@ -30,7 +30,6 @@ import collections
 import dataclasses
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -207,27 +206,35 @@ class RoutingRecorder:
 class Engines:
     """The rollout side on this device. `plain` decodes without drafting (None with a fixed
     k); `drafting` drafts with the MTP head (None without MTP rollout), under auto built
-    with the deepest k and switched to `draft_tokens` before each rollout; `draft_tokens`
-    is the k of the next rollout (0: the plain engine rolls out); `tuner` (auto only)
-    chooses it; `meter` reads the drafting engine's acceptance; `versions` is the step
-    whose weights each engine holds (None: none, after a GPU sleep that dropped them);
-    `asleep` the engines in vLLM's sleep mode. `deepest` is the most tokens the drafting
-    engine drafts; every `check_draft_every` pushes (0: never) its draft is checked."""
+    with the deepest k and switched to `schedule` before each rollout; `schedule` is the
+    next rollout's k per band of batch sizes (spec_config.BAND_EDGES; None: the plain engine
+    rolls out); `tuner` (auto only) chooses it; `meter` reads the drafting engine's
+    acceptance, `band_meters` each engine's steps per band (by id(engine)), and `bands` holds
+    the last step's first rollout's, summed over engines; `versions` is the step whose
+    weights each engine holds (None: none, after a GPU sleep that dropped them); `asleep`
+    the engines in vLLM's sleep mode. `deepest` is the most tokens the drafting engine
+    drafts; every `check_draft_every` pushes (0: never) its draft is checked."""
     plain: object
     drafting: object
-    draft_tokens: int
+    schedule: list
     rollout_tp: int
     deepest: int
     check_draft_every: int = 1
     tuner: draft_tuner.DraftTuner = None
     meter: spec_config.SpecDecodeMeter = None
+    band_meters: dict = dataclasses.field(default_factory=dict)
+    bands: dict = dataclasses.field(default_factory=dict)
     # MoE models: each engine's RoutingRecorder, by id(engine).
     recorders: dict = dataclasses.field(default_factory=dict)
     versions: dict = dataclasses.field(default_factory=dict)
     asleep: set = dataclasses.field(default_factory=set)
 
     def active(self):
-        return self.drafting if self.draft_tokens else self.plain
+        return self.plain if self.schedule is None else self.drafting
+
+    def draft_tokens(self):
+        """The most tokens the next rollout drafts in any band (0: none)."""
+        return max(self.schedule) if self.schedule else 0
 
     def all(self):
         return [engine for engine in (self.plain, self.drafting) if engine is not None]
@@ -255,12 +262,15 @@ def build_engines(model_dir, rollout_config, rank):
     auto = rc.mtp_rollout and rc.auto_draft
     plain = build_engine(model_dir, rc, rank) if auto or not rc.mtp_rollout else None
     drafting = build_engine(model_dir, rc, rank, draft_tokens=rc.draft_tokens, dynamic=auto) if rc.mtp_rollout else None
-    engines = Engines(plain, drafting, draft_tokens=0 if auto or not rc.mtp_rollout else rc.draft_tokens,
+    num_bands = len(spec_config.BAND_EDGES)
+    engines = Engines(plain, drafting,
+                      schedule=None if auto or not rc.mtp_rollout else [rc.draft_tokens] * num_bands,
                       rollout_tp=rc.rollout_tp, deepest=rc.draft_tokens, check_draft_every=rc.check_draft_every,
-                      tuner=draft_tuner.DraftTuner(rc.draft_tokens) if auto else None,
+                      tuner=draft_tuner.DraftTuner(rc.draft_tokens, num_bands) if auto else None,
                       meter=spec_config.SpecDecodeMeter(drafting) if drafting is not None else None)
     moe = "n_routed_experts" in _config(model_dir)
     for engine in engines.all():
+        engines.band_meters[id(engine)] = spec_config.BandMeter(engine)
         # Built from the model directory: the weights before step 1, version 0 to vLLM too.
         engines.versions[id(engine)] = 0
         engine.update_weight_version("0")
@@ -407,12 +417,12 @@ def push_weights(engines, engine, model, version):
 
 def plan_draft_tokens(tuner, drafting_engine, step, check, check_every, tune_every, drafting):
     """`tuner.plan` (DraftTuner), then `drafting_engine` (built with a dynamic speculative
-    config) switched to the k it names; k = 0 leaves it as it is (the plain engine rolls
-    out). Returns plan's (k, the check's statistics or None)."""
-    draft_tokens, checked = tuner.plan(step, check, check_every, tune_every, drafting=drafting)
-    if draft_tokens:
-        spec_config.set_draft_tokens(drafting_engine, draft_tokens)
-    return draft_tokens, checked
+    config) switched to the k per band it names; None leaves it as it is (the plain engine
+    rolls out). Returns plan's (schedule, the check's statistics or None)."""
+    schedule, checked = tuner.plan(step, check, check_every, tune_every, drafting=drafting)
+    if schedule is not None:
+        spec_config.set_draft_schedule(drafting_engine, schedule)
+    return schedule, checked
 
 
 def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, check_every, tune_every, rank):
@@ -431,8 +441,8 @@ def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, c
                              check_params, engines.rollout_tp, rank)
         return all_engines_statistics(engines, engines.meter.read(outputs), rank)
 
-    engines.draft_tokens, checked = plan_draft_tokens(engines.tuner, engines.drafting, step, check, check_every,
-                                                      tune_every, drafting=bool(engines.draft_tokens))
+    engines.schedule, checked = plan_draft_tokens(engines.tuner, engines.drafting, step, check, check_every,
+                                                  tune_every, drafting=engines.draft_tokens() > 0)
     return checked, engines.tuner.exploring()
 
 
@@ -440,26 +450,43 @@ def generate(engines, model, tokenizer, examples, step, params, seed, rank, samp
     """The rollout phase: (completions from the active engine, brought up to the weights
     after step - 1; the draft acceptance of every engine's rollout, None without drafting;
     the first round's probe of those weights: {probe_text, probe_logprob, weight_version},
-    None in later rounds). While auto tries each k in turn, the first round's tokens/s
-    goes to its tuner; dynamic sampling's later rounds (`sampling_round` > 0) sample on
-    their own seeds and leave the tuner alone. On a GPU the caller then puts vLLM to sleep
-    (Engines.sleep)."""
+    None in later rounds). The first round's engine steps per band, summed over engines,
+    go to `engines.bands` and, while auto tries each variant in turn, to its tuner;
+    dynamic sampling's later rounds (`sampling_round` > 0) sample on their own seeds and
+    leave both alone. On a GPU the caller then puts vLLM to sleep (Engines.sleep)."""
     engine = engines.active()
     push_weights(engines, engine, model, step - 1)
     seed_engine(seed, step, rank, engines.rollout_tp, sampling_round)
-    start = time.perf_counter()
+    band_meter = engines.band_meters[id(engine)]
+    band_meter.read()  # from here: the pushes and checks before it are not the rollout's
     samples, outputs, probed = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank,
                                        recorder=engines.recorders.get(id(engine)), probe=not sampling_round)
-    tokens_per_second = None
-    if engines.tuner is not None and engines.tuner.exploring() and not sampling_round:
-        # The slowest rank's seconds, so every rank records the same speed and chooses alike.
-        seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        tokens_per_second = sum(len(s["response_ids"]) for s in samples) / seconds.item()
-    acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank) if engines.draft_tokens else None
-    if engines.tuner is not None and not sampling_round:
-        engines.tuner.after_rollout(engines.draft_tokens, tokens_per_second, acceptance)
+    drafting = engines.draft_tokens() > 0
+    acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank) if drafting else None
+    if not sampling_round:
+        engines.bands = all_engines_bands(engines, band_meter.read(), rank)
+        if engines.tuner is not None:
+            engines.tuner.after_rollout(engines.schedule, {band: (counts["tokens"], counts["seconds"])
+                                                          for band, counts in engines.bands.items()}, acceptance)
     probe = None
     if probed is not None:
         probe = {"probe_text": probed[0], "probe_logprob": probed[1], "weight_version": engine.get_weight_version()}
     return samples, acceptance, probe
+
+
+BAND_COUNTS = ("steps", "seconds", "tokens", "drafted", "accepted")
+
+
+def all_engines_bands(engines, bands, rank):
+    """One engine's BandMeter.read() -> every engine's, summed (each engine counted once, by
+    its rollout-TP rank 0), the same on every rank: {band: {steps, seconds, tokens,
+    drafted, accepted, k}}, k from the rollout's schedule (0 on the plain engine). Every
+    rank then sees the same speeds and the tuner chooses alike."""
+    counts = torch.zeros(len(spec_config.BAND_EDGES), len(BAND_COUNTS), dtype=torch.float64)
+    if rank % engines.rollout_tp == 0:
+        for band, values in bands.items():
+            counts[band] = torch.tensor([float(values[name]) for name in BAND_COUNTS], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return {band: {**{name: (value if name == "seconds" else int(value)) for name, value in zip(BAND_COUNTS, row)},
+                   "k": engines.schedule[band] if engines.schedule else 0}
+            for band, row in enumerate(counts.tolist()) if row[0]}

@@ -20,6 +20,7 @@ Imports the standard library and torch; tensorboard, wandb and matplotlib where 
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -107,12 +108,17 @@ class PhaseTimer:
 def step_record(step, samples, rewards, train_metrics, draft_metrics, eval_metrics, seconds):
     """One line of metrics.jsonl: every value of the step by name (eval_* on eval steps only).
     rewards: [N] fp32 tensor, one per sample; seconds: {phase: wall seconds}."""
-    response_tokens = sum(len(s["response_ids"]) for s in samples)
+    lengths = sorted(len(s["response_ids"]) for s in samples)
+    response_tokens = sum(lengths)
     return {
         "step": step,
         "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
         "accuracy": (rewards == 1).float().mean().item(),
         "response_length": response_tokens / len(samples),
+        # A rollout lasts as long as its longest responses: the tail, not the mean.
+        "response_length_median": lengths[(len(lengths) - 1) // 2],
+        "response_length_p90": lengths[math.ceil(0.9 * len(lengths)) - 1],
+        "response_length_max": lengths[-1],
         **train_metrics,
         **draft_metrics,
         **eval_metrics,
@@ -172,12 +178,22 @@ def step_line(record, steps, eta_seconds):
     evaluated = (f"eval acc {record['eval_accuracy']:.2f} reward {record['eval_reward_mean']:.3f} "
                  if "eval_accuracy" in record else "")
     return (f"step {record['step']}/{steps} reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} "
-            f"k {record['draft_tokens']} accept {accept} mtp {record['mtp_loss']:.3f} ent {record['entropy']:.2f} "
+            f"{draft_column(record)} accept {accept} mtp {record['mtp_loss']:.3f} ent {record['entropy']:.2f} "
             f"mismatch {record['logprob_mismatch_mean']:.1e} gnorm {record['grad_norm']:.2f} "
-            f"clip {record['clip_fraction']:.3f} {evaluated}"
+            f"clip {record['clip_fraction']:.3f} len {record['response_length_median']}/"
+            f"{record['response_length_p90']}/{record['response_length_max']} {evaluated}"
             f"| {sum(record[f'{p}_s'] for p in STEP_PHASES):.1f}s/step ({record['tune_s']:.1f} tune, "
             f"{record['rollout_s']:.1f} roll {record['rollout_tokens_per_s']:.0f} tok/s, {record['train_s']:.1f} "
             f"train, {record['sync_s']:.1f} sync) eta {eta_seconds / 60:.1f} min")
+
+
+def draft_column(record):
+    """"k 3" where the rollout drafted 3 tokens in every band it ran, "k 0>3" where it began
+    crowded at k = 0 and ended in its tail at k = 3 (the k of its most and fewest sequences)."""
+    ks = [counts["k"] for counts in (record.get("bands") or {}).values()]
+    if not ks or ks[0] == ks[-1]:
+        return f"k {record['draft_tokens']}"
+    return f"k {ks[-1]}>{ks[0]}"
 
 
 def log_step(record, metrics_path, writer, steps, seconds_so_far, steps_done, wandb_run=None):
@@ -206,10 +222,10 @@ def summary(records, seconds, steps_done):
              f"reward {last['reward_mean']:.3f} at step {last['step']}"
              + (f", 0.9 first at step {reached}" if reached else ", never 0.9")
              + (f"; held-out accuracy {evaluated[-1]['eval_accuracy']:.2f}" if evaluated else "")]
-    tries = sum(1 for r in records if "realized_speedups" in r)
+    tries = sum(1 for r in records if "tried_band_speeds" in r)
     lines.append(f"drafting: {drafted} of {len(records)} rollouts drafted"
                  + (f"; {tries} rollouts were auto's tries of each k" if tries else "")
-                 + f"; k {last['draft_tokens']} at the last"
+                 + f"; {draft_column(last)} at the last"
                  + (f", acceptance {last['acceptance_rate']:.2f}" if last["acceptance_rate"] is not None else ""))
     return "\n".join(lines)
 

@@ -24,11 +24,13 @@ Imports only the standard library and torch at module level; vLLM is imported on
 the config merge works without vLLM installed.
 """
 
+import bisect
 import functools
 import importlib.metadata
 import json
 import logging
 import re
+import time
 from collections.abc import Mapping
 
 import torch
@@ -323,16 +325,104 @@ def _scheduler(llm):
     return engine_core.scheduler
 
 
-def set_draft_tokens(llm, num_tokens):
-    """Draft `num_tokens` tokens per verify step (0: none) in every rollout from now on, on an
-    engine built with `dynamic_speculative_config`; at most its num_speculative_tokens.
-    With num_tokens 0 the draft still reads each step (one draft-layer forward) to keep its
-    cache in step: an engine without a speculative_config decodes faster."""
+
+
+# ---------------------------------------------------------------------------------------
+# Drafting by live batch size: concurrency bands, a k per band, each band's steps measured
+# ---------------------------------------------------------------------------------------
+# A rollout thins as its sequences end: the first steps decode the whole batch, the last
+# ones its few longest responses. Drafting pays more the fewer sequences share a step, so
+# k is chosen per band of batch sizes (band b: BAND_EDGES[b - 1] + 1 .. BAND_EDGES[b]
+# sequences; the last band reaches to any size).
+BAND_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def band_of(batch_size):
+    """The band (0-based index into BAND_EDGES, the last open-ended) of an engine step that
+    decodes `batch_size` sequences."""
+    return min(bisect.bisect_left(BAND_EDGES, batch_size), len(BAND_EDGES) - 1)
+
+
+def band_label(band):
+    low = BAND_EDGES[band - 1] + 1 if band else 1
+    return f"{low}+" if band == len(BAND_EDGES) - 1 else str(low) if low == BAND_EDGES[band] else \
+        f"{low}-{BAND_EDGES[band]}"
+
+
+def set_draft_schedule(llm, draft_tokens_per_band):
+    """Draft `draft_tokens_per_band[b]` tokens per verify step (0: none) at every batch size
+    of band b (BAND_EDGES) from the next engine step on, on an engine built with
+    `dynamic_speculative_config`; each at most its num_speculative_tokens. With k = 0 the
+    draft still reads each step (one draft-layer forward) to keep its cache in step."""
     scheduler = _scheduler(llm)
     if scheduler.dynamic_sd_lookup is None:
         raise ValueError(f"this engine has no {DYNAMIC_SCHEDULE_KEY}; build its speculative_config with "
                          "dynamic_speculative_config")
-    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= scheduler.num_spec_tokens:
-        raise ValueError(f"num_tokens={num_tokens!r}: expected an int from 0 to the engine's "
-                         f"num_speculative_tokens {scheduler.num_spec_tokens}")
-    scheduler.dynamic_sd_lookup[1:] = [num_tokens] * (len(scheduler.dynamic_sd_lookup) - 1)
+    if len(draft_tokens_per_band) != len(BAND_EDGES) or not all(
+            isinstance(k, int) and 0 <= k <= scheduler.num_spec_tokens for k in draft_tokens_per_band):
+        raise ValueError(f"draft_tokens_per_band={draft_tokens_per_band!r}: expected {len(BAND_EDGES)} ints (one "
+                         f"per band of {BAND_EDGES}) from 0 to the engine's num_speculative_tokens "
+                         f"{scheduler.num_spec_tokens}")
+    lookup = scheduler.dynamic_sd_lookup  # index: batch size (0 unused)
+    lookup[1:] = [draft_tokens_per_band[band_of(size)] for size in range(1, len(lookup))]
+
+
+def set_draft_tokens(llm, num_tokens):
+    """Draft `num_tokens` tokens per verify step (0: none) at every batch size from now on
+    (`set_draft_schedule` with one k for every band)."""
+    deepest = _scheduler(llm).num_spec_tokens
+    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= deepest:
+        raise ValueError(f"num_tokens={num_tokens!r}: expected an int from 0 to the engine's num_speculative_tokens "
+                         f"{deepest}")
+    set_draft_schedule(llm, [num_tokens] * len(BAND_EDGES))
+
+
+class BandMeter:
+    """Each engine step of one vLLM engine, summed per concurrency band: its steps, wall
+    seconds, tokens emitted, draft tokens verified and accepted, and the k its schedule
+    drafts at that band. The engine runs in this process (external_launcher); the meter
+    wraps its engine core's step and its scheduler's update_from_output, so it sees every
+    step of every generate call. `read()` returns the sums since the last read, keyed by
+    band: {band: {"steps", "seconds", "tokens", "drafted", "accepted", "k"}}."""
+
+    def __init__(self, llm):
+        core = llm.llm_engine.engine_core.engine_core
+        scheduler = core.scheduler
+        self.totals = {}
+        step, update = core.step_fn, scheduler.update_from_output
+
+        def timed_step():
+            start = time.perf_counter()
+            result = step()
+            if self._pending is not None:
+                self._pending["seconds"] += time.perf_counter() - start
+                self._pending = None
+            return result
+
+        def counted_update(scheduler_output, model_runner_output):
+            outputs = update(scheduler_output, model_runner_output)
+            requests = len(scheduler_output.num_scheduled_tokens)
+            if requests:
+                band = band_of(requests)
+                lookup = scheduler.dynamic_sd_lookup
+                totals = self.totals.setdefault(band, {"steps": 0, "seconds": 0.0, "tokens": 0, "drafted": 0,
+                                                       "accepted": 0, "k": lookup[requests] if lookup else 0})
+                drafts = scheduler_output.scheduled_spec_decode_tokens
+                totals["steps"] += 1
+                # What the requests got: tokens past max_tokens or a stop are cut from them.
+                totals["tokens"] += sum(len(output.new_token_ids) for client in outputs.values()
+                                        for output in client.outputs)
+                totals["drafted"] += sum(len(tokens) for tokens in drafts.values())
+                # A request that verified drafts samples its accepted drafts and one token more.
+                totals["accepted"] += sum(len(sampled) - 1 for req, sampled in
+                                          zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
+                                          if req in drafts and sampled)
+                self._pending = totals
+            return outputs
+
+        self._pending = None
+        core.step_fn, scheduler.update_from_output = timed_step, counted_update
+
+    def read(self):
+        totals, self.totals = self.totals, {}
+        return totals

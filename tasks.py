@@ -16,6 +16,14 @@ vocabulary earns about 1%:
 - count: "count:7" -> the next 32 digits counting up mod `count_step`'s steps, "8901...";
   a digit earns its credit when it follows the one before it. Answers long enough to
   draft, on a model deep enough for a draft to be cheap next to a target step.
+- walk: "walk:q" -> "rStuVwxYz</s>", the rest of the chain 0-9, a-z from the symbol after
+  the prompt's, each letter in either case, then the end-of-sequence token. Shaped like
+  reasoning RL for drafting: responses end at EOS and their lengths are long-tailed (the
+  training pool weighs a start by 1 / its answer's length: median 7 tokens, a tenth 23 or
+  longer, at most 36), so a rollout's wall time is its few longest responses, decoded at
+  low concurrency; and the free choice of case keeps the policy's entropy (as a reasoning
+  policy's phrasing), so a trained MTP head accepts less than always. A token earns its
+  credit when it follows the one before it (any case; EOS after "z"); docs/TASKS.md.
 
 Data files: .jsonl or .parquet, in our layout ({"prompt", "answer"}) or verl's (prompt
 as chat messages, answer under reward_model.ground_truth); keys are column names or
@@ -53,16 +61,26 @@ import time
 REPEAT_LETTERS = "abcde"
 REPEAT_HELD_OUT = tuple(REPEAT_LETTERS[i] + REPEAT_LETTERS[(i + 2) % len(REPEAT_LETTERS)]
                         for i in range(len(REPEAT_LETTERS)))
-# Each built-in task: the symbols (repeat: letter pairs, count: digits) its prompts are drawn
-# from, those held out for evaluation (training never samples them), the answer length, and
-# the built-in model (tiny_model.BUILTIN_MODELS) and learning rate it runs with by default
-# (the deep model's 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly
-# at 3e-4). count holds out digits its training never shows.
+# walk's chain: a start symbol's answer is the symbols after it, then EOS. Held out: starts
+# whose answers are 2, 5, 11, 23 and 30 symbols long; every symbol still appears in the
+# training answers, so a policy that learned the rule walks from them too.
+WALK_CHAIN = "0123456789abcdefghijklmnopqrstuvwxyz"
+WALK_HELD_OUT = tuple(WALK_CHAIN[len(WALK_CHAIN) - 1 - length] for length in (2, 5, 11, 23, 30))
+WALK_STARTS = tuple(symbol for symbol in WALK_CHAIN[:-1] if symbol not in WALK_HELD_OUT)
+# Each built-in task: the symbols (repeat: letter pairs, count: digits, walk: chain symbols)
+# its prompts are drawn from, those held out for evaluation (training never samples them),
+# the answer length (walk: the longest, EOS included, with room for a few wrong tokens), the
+# built-in model (tiny_model.BUILTIN_MODELS) and learning rate it runs with by default (the
+# deep model's 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly at
+# 3e-4), and whether a response ends at its EOS token. count holds out digits its training
+# never shows.
 TASKS = {
     "repeat": {"train": tuple(first + second for first in REPEAT_LETTERS for second in REPEAT_LETTERS
                               if first + second not in REPEAT_HELD_OUT),
-               "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4},
-    "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3},
+               "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4, "eos": False},
+    "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3, "eos": False},
+    "walk": {"train": WALK_STARTS, "held_out": WALK_HELD_OUT, "length": 40, "model": "deep", "lr": 1e-3,
+             "eos": True},
 }
 DIGITS = "0123456789"
 MAX_COUNT_STEP = 9
@@ -86,10 +104,21 @@ class InputError(ValueError):
     """Bad data, prompts or reward; the message names the offending value."""
 
 
-def task_examples(task, symbols, count_step=1):
-    """A built-in task's examples, one per symbol (repeat: a letter pair, count: a digit):
+def walk_weight(symbol):
+    """How many times a walk start sits in the training pool: one per 1 / its answer's
+    length, scaled so the longest answer's start sits there once (a long tail of lengths)."""
+    longest = len(WALK_CHAIN) - 1
+    return round(longest / (longest - WALK_CHAIN.index(symbol)))
+
+
+def task_examples(task, symbols, count_step=1, weighted=False):
+    """A built-in task's examples, one per symbol (repeat: a letter pair, count: a digit,
+    walk: a chain symbol; `weighted`: walk's training pool, each start `walk_weight` times):
     [{prompt, answer}] strings."""
     length = TASKS[task]["length"]
+    if task == "walk":
+        return [{"prompt": f"walk:{symbol}", "answer": WALK_CHAIN[WALK_CHAIN.index(symbol) + 1:]}
+                for symbol in symbols for _ in range(walk_weight(symbol) if weighted else 1)]
     if task == "repeat":
         return [{"prompt": f"repeat:{pair}", "answer": (pair * length)[:length]} for pair in symbols]
     return [{"prompt": f"count:{digit}",
@@ -195,7 +224,7 @@ def split_examples(examples, eval_examples, seed, task, count_step=1):
     out a fixed, seeded EVAL_HOLDOUT_FRACTION of its examples (at most EVAL_HOLDOUT_MAX),
     which training never samples."""
     if examples is None:
-        return (task_examples(task, TASKS[task]["train"], count_step),
+        return (task_examples(task, TASKS[task]["train"], count_step, weighted=True),
                 task_examples(task, TASKS[task]["held_out"], count_step))
     if eval_examples is not None:
         _refuse_mixed_layouts(examples, eval_examples)
@@ -318,6 +347,32 @@ def count_credits(start_id, response_ids, successors):
     earns its credit, so every position teaches the same rule."""
     previous = [start_id] + response_ids[:-1]
     return [float(successors.get(before) == token) for before, token in zip(previous, response_ids)]
+
+
+@functools.lru_cache(maxsize=None)
+def walk_successors(tokenizer):
+    """{token id of a chain symbol (a letter in either case): the ids that earn credit after
+    it}: the next symbol in either case, EOS after the last. Cached per tokenizer."""
+    def ids(symbol):
+        cases = {symbol, symbol.upper()}
+        encoded = [tokenizer.encode(case, add_special_tokens=False) for case in sorted(cases)]
+        if any(len(case_ids) != 1 for case_ids in encoded):
+            raise InputError(f"--task walk needs each of {WALK_CHAIN!r} (and its upper case) to be one token; "
+                             f"{tokenizer.name_or_path}'s tokenizer encodes {symbol!r} as {encoded}")
+        return {case_ids[0] for case_ids in encoded}
+    successors = {}
+    for index, symbol in enumerate(WALK_CHAIN):
+        after = ids(WALK_CHAIN[index + 1]) if index + 1 < len(WALK_CHAIN) else {tokenizer.eos_token_id}
+        successors.update({token: after for token in ids(symbol)})
+    return successors
+
+
+def walk_credits(start_id, response_ids, successors):
+    """walk: 1.0 for each response token that may follow the token before it (the prompt's
+    last token, its start symbol, before the first); a token after a wrong one still earns
+    its credit where it follows that one, as in count."""
+    previous = [start_id] + response_ids[:-1]
+    return [float(token in successors.get(before, ())) for before, token in zip(previous, response_ids)]
 
 
 def exact_match_reward(response, answer):
@@ -486,7 +541,7 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None, timeou
 
     sample: {example: {prompt, answer}, prompt_ids, response_ids, text}. `reward_spec`
     (MATH_REWARD, or "FILE.py:FUNCTION"; load_reward_function) wins; else `task`
-    ("repeat", "count") scores per token; else (a data file) exact match. A user's reward
+    ("repeat", "count", "walk") scores per token; else (a data file) exact match. A user's reward
     that raises (SystemExit included), runs past `timeout_s` seconds (0: no limit) or
     returns anything but finite floats is an InputError naming the prompt, the response
     and the value; `interrupted()` true while it runs (a stop signal) is RewardInterrupted.
@@ -495,6 +550,9 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None, timeou
         if task == "count":
             successors = digit_successors(tokenizer, count_step)
             return lambda sample: count_credits(sample["prompt_ids"][-1], sample["response_ids"], successors)
+        if task == "walk":
+            successors = walk_successors(tokenizer)
+            return lambda sample: walk_credits(sample["prompt_ids"][-1], sample["response_ids"], successors)
         if task == "repeat":
             # Each answer encoded once, not once per completion (the task has a few dozen).
             answer_ids = functools.lru_cache(maxsize=None)(

@@ -1182,132 +1182,128 @@ def test_spec_config_checks_arguments_and_vllm_release(monkeypatch):
 # draft_tuner: how many tokens to draft, from the rollouts' speed
 # ---------------------------------------------------------------------------------------
 
-def test_draft_tuner_lets_the_measured_speeds_choose_by_hand():
-    def statistics(by_depth, drafts=100):
-        return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
-                                                 [round(a * drafts) for a in by_depth])
+def _acceptance_statistics(by_depth, drafts=100):
+    return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
+                                             [round(a * drafts) for a in by_depth])
 
-    def roll_out(tuner, speeds):
-        """One rollout per entry at the k the tuner names, `speeds[k]` tokens/s; returns those k."""
-        tried = []
-        for speed in speeds:
-            tried.append(tuner.choose())
-            tuner.record(tried[-1], speed[tried[-1]])
-        return tried
 
+def _roll_out_tries(tuner, speeds, tokens):
+    """One rollout per entry of `speeds` ({variant: [tokens/s per band]}) at the variant the
+    tuner names, `tokens[band]` tokens per band; returns those variants ("plain" or a k)."""
+    tried = []
+    for speed in speeds:
+        schedule = tuner.choose()
+        variant = draft_tuner.PLAIN if schedule is None else schedule[0]
+        assert schedule is None or schedule == [variant] * tuner.num_bands
+        tried.append(variant)
+        tuner.record({band: (tokens[band], tokens[band] / band_speed)
+                      for band, band_speed in enumerate(speed[variant]) if band_speed})
+    return tried
+
+
+def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
+    plain = draft_tuner.PLAIN
     with pytest.raises(ValueError, match="rounds=0: expected an int >= 1"):
-        draft_tuner.DraftTuner(max_tokens=3, rounds=0)
-    tuner = draft_tuner.DraftTuner(max_tokens=3)
-    assert tuner.choose() == 0 and not tuner.is_stale()  # nothing measured: no drafting
+        draft_tuner.DraftTuner(max_tokens=3, num_bands=3, rounds=0)
+    tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=3)
+    assert tuner.choose() is None and not tuner.is_stale()  # nothing measured: the plain engine
     # A random draft (accepted 4% at depth 1) could not pay even at a twentieth of a step
     # per draft: nothing is tried.
-    tuner.observe(statistics([0.04, 0.0, 0.0]))
+    tuner.observe(_acceptance_statistics([0.04, 0.0, 0.0]))
     tuner.try_each()
-    assert not tuner.exploring() and tuner.choose() == 0 and tuner.realized_speeds() is None
-    tuner.record(0, 100.0)  # not a try: nothing kept
-    assert tuner.realized_speeds() is None
+    assert not tuner.exploring() and tuner.choose() is None
+    tuner.record({0: (100, 1.0)})  # not a try: nothing kept
+    assert tuner.realized == {}
     # The draft learnt: 1 + A_1 + ... + A_3 went from 1.04 to 3.4 tokens per step, the tries are stale.
-    tuner.observe(statistics([0.9, 0.8, 0.7]))
+    tuner.observe(_acceptance_statistics([0.9, 0.8, 0.7]))
     assert tuner.tokens_per_step(3) == pytest.approx(3.4) and tuner.is_stale()
     tuner.try_each()
     assert not tuner.is_stale()
-    # Every k is tried three times in turn, each counting its fastest try (k = 3's first hit
-    # a burst of load), and the rollouts say k = 3.
-    tried = roll_out(tuner, [{0: 100}, {1: 150}, {2: 160}, {3: 120}, {0: 110}, {1: 140}, {2: 185}, {3: 190},
-                             {0: 105}, {1: 145}, {2: 170}, {3: 200}])
-    assert tried == [0, 1, 2, 3] * 3 and not tuner.exploring() and tuner.choose() == 3
-    assert tuner.realized_speeds() == pytest.approx([1, 150 / 110, 185 / 110, 200 / 110])
-    # A rollout at k = 1 finds the draft stale: deeper depths are capped by it, and k = 3's
-    # tried 1.82x scaled by 1.3 / 3.4 tokens per step is below no drafting: drafting stops.
-    tuner.observe(statistics([0.1]))
-    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() == 0 and tuner.is_stale()
-    # A weak draft, on a tuner that measured no costs yet: 1.1 tokens per step at k = 1
-    # could pay for one draft at 5% of a step, 1.11 at k = 2 and 3 not for two or three;
-    # k = 0 and 1 take turns, k = 1 measures 1.06x.
-    tuner = draft_tuner.DraftTuner(max_tokens=3)
-    tuner.observe(statistics([0.1, 0.01, 0.0]))
+    # Bands 0 (the tail: fewest sequences), 1 and 2 (the crowded start). Drafting pays more
+    # the fewer sequences share a step; the drafting engine at k = 0 is slower than the
+    # plain one. k = 3's first try in the tail hit a burst of load: each counts its fastest.
+    speeds = {plain: [100, 100, 100], 0: [90, 92, 90], 1: [150, 110, 80], 2: [190, 105, 70], 3: [220, 100, 60]}
+    burst = {**speeds, 3: [120, 100, 60]}
+    tried = _roll_out_tries(tuner, [burst] * 5 + [speeds] * 10, tokens=[100, 300, 300])
+    assert tried == [plain, 0, 1, 2, 3] * 3 and not tuner.exploring()
+    assert tuner.band_speeds(3) == [220, 100, 60] and tuner.band_speeds(plain) == [100, 100, 100]
+    # Per band the fastest k: 3 in the tail, 1 in the middle, none where the batch is
+    # crowded; the bands' time 100/220 + 300/110 + 300/90 = 6.5 s beats the plain engine's 7.
+    assert tuner.choose() == [3, 1, 0]
+    # The same speeds with the crowded start twice as long: 9.8 s against 10, within the
+    # margin: the plain engine rolls out.
+    crowded = draft_tuner.DraftTuner(max_tokens=3, num_bands=3)
+    crowded.observe(_acceptance_statistics([0.9, 0.8, 0.7]))
+    crowded.try_each()
+    _roll_out_tries(crowded, [speeds] * 15, tokens=[100, 300, 600])
+    assert crowded.choose() is None
+    # A rollout at k = 3 finds the draft stale: deeper depths are capped by it; k = 3's
+    # 220 in the tail scaled by 1.3 / 3.4 tokens per step and k = 1's 110 by 1.1 / 1.9 fall
+    # below k = 0's: no band drafts, the plain engine rolls out, and the tries are stale.
+    tuner.observe(_acceptance_statistics([0.1]))
+    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() is None and tuner.is_stale()
+    # A band the tries never ran takes the k of the nearest band they ran.
+    unseen = draft_tuner.DraftTuner(max_tokens=1, num_bands=3)
+    unseen.observe(_acceptance_statistics([0.9]))
+    unseen.try_each()
+    _roll_out_tries(unseen, [{plain: [100, 100, None], 0: [90, 90, None], 1: [200, 91, None]}] * 9, [100, 100, 0])
+    assert unseen.choose() == [1, 0, 0]
+    unseen.try_each()
+    with pytest.raises(ValueError, match=r"band_counts\[3\] = \(10, 1.0\): expected a band in 0..2"):
+        unseen.record({3: (10, 1.0)})
+    with pytest.raises(ValueError, match=r"band_counts\[0\] = \(10, 0.0\)"):
+        unseen.record({0: (10, 0.0)})
+    # Mid-try state survives a checkpoint: the restored tuner names the same next variant.
+    tuner.observe(_acceptance_statistics([1.0, 1.0, 1.0]))
     tuner.try_each()
-    assert roll_out(tuner, [{0: 100}, {1: 106}, {0: 98}, {1: 104}, {0: 99}, {1: 105}]) == [0, 1] * 3
-    assert tuner.choose() == 1
-    assert tuner.realized_speeds() == pytest.approx([1, 1.06, None, None])
-    tuner.try_each()
-    tuner.record(0, 100.0)
-    with pytest.raises(ValueError, match="draft_tokens=0: expected 1, the k choose"):
-        tuner.record(0, 100.0)
-    with pytest.raises(ValueError, match="tokens_per_second=nan: expected a positive finite speed"):
-        tuner.record(1, math.nan)
-    # Within the margin drafting is not worth it.
-    tuner.try_each()
-    roll_out(tuner, [{0: 100}, {1: 102}] * 3)
-    assert tuner.realized_speeds() == pytest.approx([1, 1.02, None, None]) and tuner.choose() == 0
-    # Verifying drafts in a large batch: every k runs at 0.5-0.6x, no drafting stays. The
-    # acceptance halving (2.2 -> 1.1 tokens per step at k = 3) cannot make a k win: not
-    # stale. Rising by over a quarter since the tries began may: stale.
-    tuner = draft_tuner.DraftTuner(max_tokens=3)
-    tuner.observe(statistics([0.6, 0.4, 0.2]))
-    tuner.try_each()
-    assert roll_out(tuner, [{0: 100, 1: 60, 2: 55, 3: 50}] * 12) == [0, 1, 2, 3] * 3 and tuner.choose() == 0
-    tuner.observe(statistics([0.1, 0.0, 0.0]))
-    assert tuner.tokens_per_step(3) == pytest.approx(1.1) and not tuner.is_stale()
-    tuner.observe(statistics([0.8, 0.6, 0.4]))
-    assert tuner.tokens_per_step(3) == pytest.approx(2.8) and tuner.is_stale()
-    # Mid-try state survives a checkpoint: the restored tuner names the same next k.
-    tuner = draft_tuner.DraftTuner(max_tokens=3)
-    tuner.observe(statistics([1.0, 1.0, 1.0]))
-    tuner.try_each()
-    roll_out(tuner, [{0: 100}, {1: 150}])
-    restored = draft_tuner.DraftTuner(max_tokens=3)
+    _roll_out_tries(tuner, [speeds] * 2, tokens=[100, 300, 300])
+    restored = draft_tuner.DraftTuner(max_tokens=3, num_bands=3)
     restored.load_state_dict(tuner.state_dict())
-    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose() == 2
-    with pytest.raises(ValueError, match="for max_tokens 3, this tuner has 2"):
-        draft_tuner.DraftTuner(max_tokens=2).load_state_dict(tuner.state_dict())
+    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose() == [1, 1, 1]
+    with pytest.raises(ValueError, match="for num_bands 3, this tuner has 2"):
+        draft_tuner.DraftTuner(max_tokens=3, num_bands=2).load_state_dict(tuner.state_dict())
 
 
 def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
     """plan/after_rollout, as train_grpo and bench call them: the check runs at the first
     step and every check_every steps while nothing drafts, the tries at the first step,
-    every tune_every steps and when stale; a try's speed and a draft's acceptance go in."""
-    def statistics(by_depth, drafts=100):
-        return spec_config.acceptance_statistics("test", drafts, drafts * len(by_depth), 0,
-                                                 [round(a * drafts) for a in by_depth])
-
+    every tune_every steps and when stale; a try's band counts and a draft's acceptance go in."""
     checks = []
 
     def check(by_depth):
         def run():
             checks.append(by_depth)
-            return statistics(by_depth)
+            return _acceptance_statistics(by_depth)
         return run
 
-    tuner = draft_tuner.DraftTuner(max_tokens=1)
+    tuner = draft_tuner.DraftTuner(max_tokens=1, num_bands=1)
     # Step 1: a random draft, checked; nothing could pay, so nothing is tried.
-    assert tuner.plan(1, check([0.02]), check_every=5, tune_every=50, drafting=False) == (0, statistics([0.02]))
+    assert tuner.plan(1, check([0.02]), check_every=5, tune_every=50, drafting=False) == (
+        None, _acceptance_statistics([0.02]))
     assert not tuner.exploring() and checks == [[0.02]]
     for step in range(2, 6):  # no check before step 6 (5 + 1), none while the tries are not due
-        assert tuner.plan(step, check([0.9]), 5, 50, drafting=False) == (0, None)
-        tuner.after_rollout(0, None, None)
+        assert tuner.plan(step, check([0.9]), 5, 50, drafting=False) == (None, None)
+        tuner.after_rollout(None, {0: (100, 1.0)}, None)
     assert checks == [[0.02]]
-    # Step 6: checked again, the draft learnt: the acceptance moved far, k = 0 and 1 take turns.
-    k, checked = tuner.plan(6, check([0.9]), 5, 50, drafting=False)
-    assert (k, checked["accepted_per_position"], tuner.exploring()) == (0, [90], True)
-    speeds = {0: 100.0, 1: 150.0}
+    # Step 6: checked again, the draft learnt: the acceptance moved far, the tries begin.
+    schedule, checked = tuner.plan(6, check([0.9]), 5, 50, drafting=False)
+    assert (schedule, checked["accepted_per_position"], tuner.exploring()) == (None, [90], True)
+    seconds = {None: 1.0, 0: 1.1, 1: 0.6}
     tried = []
-    for step in range(6, 12):
+    for step in range(6, 15):
         if step > 6:
-            k, checked = tuner.plan(step, check([0.0]), 5, 50, drafting=bool(k))
+            schedule, checked = tuner.plan(step, check([0.0]), 5, 50, drafting=bool(schedule and any(schedule)))
             assert checked is None  # no checks during the tries
-        tried.append(k)
-        tuner.after_rollout(k, speeds[k], statistics([0.9]) if k else None)
-    assert tried == [0, 1] * 3 and not tuner.exploring()
-    assert tuner.plan(12, check([0.0]), 5, 50, drafting=True) == (1, None)  # drafting: no check at step 11 + 1
+        tried.append(schedule)
+        variant = schedule[0] if schedule else None
+        tuner.after_rollout(schedule, {0: (100, seconds[variant])},
+                            _acceptance_statistics([0.9]) if variant else None)
+    assert tried == [None, [0], [1]] * 3 and not tuner.exploring()
+    assert tuner.plan(15, check([0.0]), 5, 50, drafting=True) == ([1], None)  # drafting: no check at 15
     # A drafting rollout that finds the draft left behind stops drafting at the next plan.
-    tuner.after_rollout(1, None, statistics([0.05]))
-    assert tuner.plan(13, check([0.0]), 5, 50, drafting=True)[0] == 0
-    tuner.observe(statistics([0.9]))
-    tuner.try_each()
-    with pytest.raises(ValueError, match="tokens_per_second=None: expected a positive finite speed"):
-        tuner.after_rollout(0, None, None)  # a try needs its speed
-    assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(statistics([0.5, 0.25])) \
+    tuner.after_rollout([1], {0: (100, 0.6)}, _acceptance_statistics([0.05]))
+    assert tuner.plan(16, check([0.0]), 5, 50, drafting=True)[0] is None
+    assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(_acceptance_statistics([0.5, 0.25])) \
         == [0.5, 0.25]
 
 def test_spec_config_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
@@ -1765,6 +1761,38 @@ def test_tasks_count_answers_and_credits_each_digit_that_follows_the_one_before(
 
     with pytest.raises(tasks.InputError, match="needs each digit to be one token; merging's tokenizer encodes"):
         tasks.digit_successors(MergesDigits(), 1)
+
+
+def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert tasks.task_examples("walk", "q") == [{"prompt": "walk:q", "answer": "rstuvwxyz"}]
+    settings = _settings(["--task", "walk"])
+    assert (settings.max_new_tokens, settings.lr, settings.builtin_model, settings.ignore_eos) == (40, 1e-3, "deep", False)
+    assert _settings(["--task", "count"]).ignore_eos and not _settings(["--data", "x.jsonl"]).ignore_eos
+    # The training pool: a start weighs 1 / its answer's length. Response lengths (EOS
+    # included): median 7, a tenth 23 or longer, at most 36; the held-out starts walk 2 to
+    # 30 symbols.
+    training, held_out = tasks.split_examples(None, None, 0, "walk")
+    lengths = sorted(len(example["answer"]) + 1 for example in training)
+    assert (len(lengths), lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]) == (114, 7, 23, 36)
+    assert lengths.count(2) == 35 and lengths.count(36) == 1
+    assert sorted(len(example["answer"]) for example in held_out) == [2, 5, 11, 23, 30]
+    successors, eos = tasks.walk_successors(tokenizer), tokenizer.eos_token_id
+
+    def credits(prompt, response, end=False):
+        ids = tokenizer.encode(response) + ([eos] if end else [])
+        return tasks.walk_credits(tokenizer.encode(prompt)[-1], ids, successors)
+
+    assert credits("walk:v", "wXyZ", end=True) == [1.0] * 5
+    assert credits("walk:8", "9aB") == [1.0] * 3
+    # A wrong symbol loses its own credit only; EOS earns it after "z" alone.
+    assert credits("walk:v", "wyz", end=True) == [1.0, 0.0, 1.0, 1.0]
+    assert credits("walk:v", "wx", end=True) == [1.0, 1.0, 0.0]
+    assert credits("walk:z", "", end=True) == [1.0] and credits("walk:v", "w!x") == [1.0, 0.0, 0.0]
+    score = tasks.credit_function(tokenizer, task="walk")
+    sample = {"prompt_ids": tokenizer.encode("walk:x"), "response_ids": tokenizer.encode("yZ") + [eos]}
+    assert score(sample) == [1.0, 1.0, 1.0]
 
 
 def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
@@ -2350,7 +2378,8 @@ def step_metrics(step):
     """A record as step_record makes one: numbers, a None, a string, a bool and a list."""
     seconds = {f"{phase}_s": 0.5 + step for phase in run_log.STEP_PHASES}
     return {"step": step, "reward_mean": 0.25 * step, "reward_std": 0.1, "accuracy": 0.125 * step,
-            "response_length": 3.0, "draft_tokens": step, "acceptance_rate": None, "mtp_loss": 1.5 / step,
+            "response_length": 3.0, "response_length_median": 3, "response_length_p90": 3, "response_length_max": 3,
+            "draft_tokens": step, "acceptance_rate": None, "mtp_loss": 1.5 / step,
             "entropy": 2.0, "logprob_mismatch_mean": 1e-7, "grad_norm": 0.75, "clip_fraction": 0.0,
             "acceptance_by_depth": [0.5, 0.25], "draft_mode": "auto", "trained_mtp": True,
             "rollout_tokens_per_s": 100.0 * step, **seconds}
@@ -2845,6 +2874,18 @@ def _draft_controls(checkpoint):
         statistics = meter.read(engine.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False))
         result["by_k"][draft_tokens] = (statistics["num_drafts"], statistics["num_draft_tokens"],
                                         draft_tuner.acceptance_by_depth(statistics))
+    # Drafting by live batch size: k = 3 where 1 or 2 sequences remain, none while 3 or 4
+    # decode; the rollout thins as its requests of 6, 12, 18 and 24 tokens end.
+    band_meter = spec_config.BandMeter(engine)
+    spec_config.set_draft_schedule(engine, [DYNAMIC_DRAFT_TOKENS] * 2 + [0] * (len(spec_config.BAND_EDGES) - 2))
+    lengths = [6, 12, 18, 24]
+    outputs = engine.generate(WEIGHT_SYNC_PROMPTS, [SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+                                                     for length in lengths], use_tqdm=False)
+    result["band_lengths"] = [len(output.outputs[0].token_ids) for output in outputs]
+    result["bands"] = band_meter.read()
+    with pytest.raises(ValueError) as error:
+        spec_config.set_draft_schedule(engine, [1, 2])
+    result["bad_schedule"] = str(error.value)
     result["bad_k"] = []
     for bad in (DYNAMIC_DRAFT_TOKENS + 1, -1, 1.0):
         with pytest.raises(ValueError) as error:
@@ -2876,6 +2917,18 @@ def test_vllm_sync_names_a_stale_draft_and_draft_tokens_switch_per_generate(tiny
         assert len(by_depth) == draft_tokens and min(by_depth) > 0.8
         assert by_depth == sorted(by_depth, reverse=True)
     assert all("expected an int from 0 to the engine's num_speculative_tokens 3" in m for m in result["bad_k"])
+    # The banded rollout: the bands of 1, 2 and 3-4 sequences ran; every token is counted
+    # once (the prefill's first ones included); only the thin bands drafted, mostly
+    # accepted.
+    bands = result["bands"]
+    assert result["band_lengths"] == [6, 12, 18, 24] and sorted(bands) == [0, 1, 2]
+    assert sum(band["tokens"] for band in bands.values()) == 6 + 12 + 18 + 24
+    assert (bands[2]["k"], bands[2]["drafted"], bands[2]["accepted"]) == (0, 0, 0)
+    thin = (bands[0], bands[1])
+    assert all(band["k"] == DYNAMIC_DRAFT_TOKENS and band["drafted"] > 0 and band["seconds"] > 0 for band in thin)
+    assert sum(band["accepted"] for band in thin) > 0.5 * sum(band["drafted"] for band in thin)
+    assert sum(band["steps"] for band in thin) < sum(band["tokens"] for band in thin)
+    assert "expected 10 ints (one per band of (1, 2, 4, 8" in result["bad_schedule"]
     # The engine loaded the checkpoint Megatron started from, but Megatron's weights moved
     # (draft-friendly): stale before the push, exact after it. Every drafter tensor is
     # compared: 13 of the MTP layer, the shared embedding and output layer.
@@ -4001,7 +4054,7 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
     assert max(first["check_acceptance_by_depth"]) < 0.2 and "check_acceptance_by_depth" not in second
     for record in records:
         assert record["draft_tokens"] == 0 and record["acceptance_rate"] is None
-        assert "realized_speedups" not in record
+        assert record["draft_schedule"] is None and "tried_band_speeds" not in record
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
     assert tuner["max_tokens"] == 3 and tuner["schedule"] == [] and tuner["acceptance"] == pytest.approx(
@@ -4014,25 +4067,33 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
     # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
-    # 1-6 try k = 0 and k = 1 three times in turn on their own rollouts, and step 7 drafts
-    # as the tries say (the faster by 3%, scaled by the acceptance since).
+    # 1-9 try the plain engine, the drafting one at k = 0 and at k = 1 three times in turn
+    # on their own rollouts, each measured per band of batch sizes, and step 10 rolls out
+    # as the tries say, at the acceptance since.
     model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
-    records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "7", "--prompts-per-step", "4",
-                        "--eval-every", "7", "--save-every", "6", "--max-speculative-tokens", "1")
+    records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "10", "--prompts-per-step", "4",
+                        "--eval-every", "10", "--save-every", "9", "--max-speculative-tokens", "1")
     assert records[0]["check_acceptance_by_depth"][0] > 0.3
-    tries = records[:6]
-    assert [r["draft_tokens"] for r in tries] == [0, 1] * 3
-    assert [r["acceptance_rate"] is not None for r in tries] == [False, True] * 3
-    assert tries[0]["realized_speedups"] == [1.0, None]
-    assert all(r["realized_speedups"][0] == 1.0 and r["realized_speedups"][1] > 0 for r in tries[1:])
-    drafting = tries[-1]["realized_speedups"][1]
-    then, now = 1 + tries[-3]["acceptance_by_depth"][0], 1 + tries[-1]["acceptance_by_depth"][0]
-    assert records[6]["draft_tokens"] == (1 if drafting >= 1.03 and drafting * now / then >= 1 else 0)
-    assert "realized_speedups" not in records[6]
-    tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000006", "rank0.pt"),
-                       weights_only=True)["draft_tuner"]
-    assert tuner["schedule"] == [] and [len(speeds) for speeds in tuner["realized"]] == [3, 3]
-    assert max(tuner["realized"][1]) / max(tuner["realized"][0]) == pytest.approx(drafting)
+    tries, bands = records[:9], len(spec_config.BAND_EDGES)
+    assert [r["draft_schedule"] for r in tries] == [None, [0] * bands, [1] * bands] * 3
+    assert [r["acceptance_rate"] is not None for r in tries] == [False, False, True] * 3
+    for record in tries:
+        # Every rank's engine ran the same bands: the prompts' 32 completions and the probe.
+        assert sum(band["tokens"] for band in record["bands"].values()) == 2 * (4 * 8 * 3 + 3)
+        assert set(record["tried_band_speeds"]) == {"plain", "0", "1"}
+    assert "tried_band_speeds" not in records[9]
+    tuner_state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000009", "rank0.pt"),
+                             weights_only=True)["draft_tuner"]
+    assert tuner_state["schedule"] == [] and tuner_state["num_bands"] == bands
+    assert max(len(speeds) for speeds in tuner_state["realized"]["plain"]) == 3
+    # Step 10's plan from the tuner the checkpoint holds: what the run rolled out with.
+    tuner = draft_tuner.DraftTuner(1, bands)
+    tuner.load_state_dict(tuner_state)
+
+    def no_check():
+        raise AssertionError("no acceptance check is due at step 10")
+    planned, _ = tuner.plan(10, no_check, 5, 50, drafting=True)
+    assert records[9]["draft_schedule"] == planned
 
 
 # One flag per kind of rejection, and what its message must say.

@@ -50,6 +50,7 @@ import grpo_loss  # noqa: E402
 import hf_weights  # noqa: E402
 import mtp_patch  # noqa: E402
 import rollout  # noqa: E402
+import spec_config  # noqa: E402
 import tasks  # noqa: E402
 import tiny_model  # noqa: E402
 import trainer  # noqa: E402
@@ -224,7 +225,7 @@ def evaluate(run, step):
     """Greedy completions of the held-out examples after `step`, scored like training's:
     {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
     s = run.settings
-    params = rollout.sampling_params(1, 0.0, s.max_new_tokens, ignore_eos=s.data is None)
+    params = rollout.sampling_params(1, 0.0, s.max_new_tokens, ignore_eos=s.ignore_eos)
     samples, _, _ = rollout.rollout(run.engines.active(), run.tokenizer, run.held_out, params, s.rollout_tp, run.rank)
     rewards = torch.tensor([sum(row) / len(row) for row in score(samples, run.credit, step, run.stop)])
     return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
@@ -232,20 +233,25 @@ def evaluate(run, step):
 
 
 def draft_record(engines, acceptance, checked, tried):
-    """The step's drafting metrics: draft_tokens (k of the rollout, 0: none), the rollout's
-    acceptance_rate, mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the
-    share of verify steps that accepted the first i drafts; None without drafting), and
-    under auto check_acceptance_by_depth (the tune phase's check, at the deepest k, on the
-    steps it ran) and realized_speedups (each k's fastest try so far relative to k = 0's
-    tokens/s, None where not tried yet, on the steps whose rollout was a try)."""
-    record = {"draft_tokens": engines.draft_tokens,
+    """The step's drafting metrics: draft_tokens (the most the rollout drafted in any band,
+    0: none), draft_schedule (its k per band of batch sizes, spec_config.BAND_EDGES; None:
+    the plain engine), bands (per band the rollout ran: {steps, seconds, tokens, drafted,
+    accepted, k}, summed over engines), the rollout's acceptance_rate,
+    mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the share of verify
+    steps that accepted the first i drafts; None without drafting), and under auto
+    check_acceptance_by_depth (the tune phase's check, at the deepest k, on the steps it
+    ran) and tried_band_speeds (each variant's fastest tokens/s per band so far, on the
+    steps whose rollout was a try)."""
+    record = {"draft_tokens": engines.draft_tokens(), "draft_schedule": engines.schedule,
+              "bands": {spec_config.band_label(band): counts for band, counts in engines.bands.items()},
               "acceptance_rate": acceptance["acceptance_rate"] if acceptance else None,
               "mean_acceptance_length": acceptance["mean_acceptance_length"] if acceptance else None,
               "acceptance_by_depth": draft_tuner.acceptance_by_depth(acceptance) or None}
     if checked is not None:
         record["check_acceptance_by_depth"] = draft_tuner.acceptance_by_depth(checked)
     if tried:
-        record["realized_speedups"] = engines.tuner.realized_speeds()
+        record["tried_band_speeds"] = {str(variant): engines.tuner.band_speeds(variant)
+                                       for variant in engines.tuner.realized}
     return record
 
 
@@ -318,7 +324,7 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
     policy = trainer.build_policy(model_dir, flags.train_config(s))
     engines = rollout.build_engines(model_dir, flags.rollout_config(s), rank)
     start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
-    params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.data is None)
+    params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
     check_params = rollout.sampling_params(s.group_size, s.temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                            ignore_eos=True)
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
