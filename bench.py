@@ -523,6 +523,7 @@ ROWS = {
     "optimizer_step": row_optimizer_step,
     "spec_rollout": bench_runs.row_spec_rollout,
     "draft_training": bench_runs.row_draft_training,
+    "rl_drafting": bench_runs.row_rl_drafting,
     "trl_step": bench_runs.row_trl_step,
     "moe_expert_parallel": row_moe_expert_parallel,
 }

@@ -1,7 +1,7 @@
 """End-to-end rows of bench.py: the weight push into a vLLM engine, whole train_grpo.py and TRL
 runs, vLLM engines on a trained policy.
 
-    .venv/bin/python bench.py --rows weight_sync_push spec_rollout draft_training trl_step
+    .venv/bin/python bench.py --rows weight_sync_push spec_rollout draft_training rl_drafting trl_step
 
 bench.py holds the CLI and the micro rows and runs these rows by name. A row here
 launches `train_grpo.py` under torchrun (its checkpoints and metrics cached under runs/)
@@ -11,12 +11,13 @@ measures vLLM engines on a checkpoint such a run trained, and `weight_sync_push`
 vllm_sync's bucketed push against a naive one, each in a spawned process.
 
 Imports torch and the project's cpu_backend, draft_tuner, hf_weights, megatron_model,
-rollout, spec_config, tasks, tiny_model, vllm_sync and harness;
+rollout, run_log, spec_config, tasks, tiny_model, vllm_sync and harness;
 vLLM, matplotlib, transformers, datasets and TRL inside the rows that need them.
 """
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import cpu_backend
 import draft_tuner
 import hf_weights
 import rollout
+import run_log
 import spec_config
 import tasks
 import tiny_model
@@ -409,6 +411,113 @@ def row_draft_training():
                       f"acceptance {stage1[-1]['acceptance_rate']}")})
     rows.append({"row": "draft_training plot", "ours_ms": None, "baseline_ms": None, "speedup": None,
                  "notes": DRAFT_PLOT})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# rl_drafting: one RL run with drafting (auto) against the same run without, taking turns
+# ---------------------------------------------------------------------------------------
+
+# The walk task (long-tailed responses that end at EOS) from a policy that mostly walks, as
+# RL starts from an SFT model: it ends its answers and its MTP head trained alongside
+# (stage 1, 90 steps: reward 0.94, the head's loss 0.5; it rolls out without drafting, so it
+# depends on the seed alone). From it, the same run, seed and flags with
+# --num-speculative-tokens auto and with --no-mtp-rollout, RL_ROUNDS times, their order
+# swapped each round.
+RL_STAGE1_FLAGS = ("--task", "walk", "--steps", "90", "--no-mtp-rollout")
+RL_STAGE2_FLAGS = ("--task", "walk", "--steps", "40")
+RL_VARIANTS = {"drafting": (), "none": ("--no-mtp-rollout",)}
+RL_ROUNDS = 3
+RL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-rl-drafting")
+RL_PLOT = os.path.join(FIGURES_DIR, "rl_drafting_cpu.png")
+
+
+def rl_phase_seconds(records, phases):
+    return sum(r[f"{phase}_s"] for r in records for phase in phases)
+
+
+def rl_band_seconds(records):
+    """{band label: seconds} summed over a run's rollouts (every engine's)."""
+    seconds = {}
+    for record in records:
+        for label, band in (record.get("bands") or {}).items():
+            seconds[label] = seconds.get(label, 0.0) + band["seconds"]
+    return seconds
+
+
+def rl_acceptance_by_depth(records):
+    """The mean A_1..A_k over a run's drafting rollouts at their deepest k; [] without."""
+    rows = [r["acceptance_by_depth"] for r in records if r["acceptance_by_depth"]]
+    depth = max((len(row) for row in rows), default=0)
+    return [statistics.mean(row[i] for row in rows if len(row) > i) for i in range(depth)]
+
+
+def plot_rl_drafting(rounds, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for number, runs in enumerate(rounds, 1):
+        for name, records in runs.items():
+            style = dict(color="C0" if name == "drafting" else "C1", alpha=0.4 + 0.2 * number,
+                         label=f"{name}, round {number}")
+            steps = [r["step"] for r in records]
+            axes[0].plot(steps, [r["reward_mean"] for r in records], **style)
+            evaluated = [r for r in records if "eval_accuracy" in r]
+            axes[1].plot([r["step"] for r in evaluated], [r["eval_accuracy"] for r in evaluated], marker="o", **style)
+            axes[2].plot(steps, [r["tune_s"] + r["rollout_s"] for r in records], **style)
+    for axis, label in zip(axes, ("mean reward", "held-out accuracy", "rollout + tune seconds")):
+        axis.set_xlabel("step")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.suptitle("walk task, 2 processes: drafting by live batch size (auto) vs none, from the same policy",
+                    fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def rl_round(number, initial):
+    """One round: each variant's run from `initial`, fresh, in this round's order."""
+    names = list(RL_VARIANTS) if number % 2 else list(reversed(RL_VARIANTS))
+    runs = {}
+    for name in names:
+        out = os.path.join(RL_RUN_DIR, f"round{number}", name)
+        shutil.rmtree(out, ignore_errors=True)
+        runs[name] = train_grpo_run(out, ("--model", initial, *RL_STAGE2_FLAGS, *RL_VARIANTS[name]))
+    return {name: runs[name] for name in RL_VARIANTS}
+
+
+def rl_round_row(number, runs):
+    drafting, none = runs["drafting"], runs["none"]
+    rollout_phase = [rl_phase_seconds(records, ("tune", "rollout")) for records in (drafting, none)]
+    step = [rl_phase_seconds(records, run_log.STEP_PHASES) for records in (drafting, none)]
+    reached = [next((r["step"] for r in records if r["reward_mean"] >= DRAFT_REWARD_TARGET), None)
+               for records in (drafting, none)]
+    bands = [rl_band_seconds(records) for records in (drafting, none)]
+    last = drafting[-1]
+    return {"row": f"rl_drafting round {number}", "ours_ms": 1000 * step[0], "baseline_ms": 1000 * step[1],
+            "speedup": step[1] / step[0],
+            "notes": (f"rollout phase (tune + rollout) {rollout_phase[0]:.1f} s vs {rollout_phase[1]:.1f} s: "
+                      f"{rollout_phase[1] / rollout_phase[0]:.2f}x; step {step[0]:.1f} s vs {step[1]:.1f} s; reward "
+                      f"{drafting[-1]['reward_mean']:.3f} vs {none[-1]['reward_mean']:.3f} at the last step, >= "
+                      f"{DRAFT_REWARD_TARGET} from step {reached[0]} vs {reached[1]}; held-out accuracy "
+                      f"{drafting[-1].get('eval_accuracy', float('nan')):.2f} vs {none[-1].get('eval_accuracy', float('nan')):.2f}; "
+                      f"{sum(1 for r in drafting if r['draft_tokens'])} of {len(drafting)} rollouts drafted, acceptance "
+                      "by depth " + "/".join(f"{a:.2f}" for a in rl_acceptance_by_depth(drafting))
+                      + f"; last schedule {last['draft_schedule']}; seconds per band (drafting/none): "
+                      + ", ".join(f"{label} {bands[0].get(label, 0):.1f}/{bands[1].get(label, 0):.1f}"
+                                  for label in sorted(set(bands[0]) | set(bands[1]),
+                                                      key=lambda label: int(label.split("-")[0].rstrip("+")))))}
+
+
+def row_rl_drafting():
+    train_grpo_run(os.path.join(RL_RUN_DIR, "stage1"), RL_STAGE1_FLAGS)
+    initial = os.path.join(RL_RUN_DIR, "stage1", "final")
+    rounds = [rl_round(number, initial) for number in range(1, RL_ROUNDS + 1)]
+    plot_rl_drafting(rounds, RL_PLOT)
+    rows = [rl_round_row(number, runs) for number, runs in enumerate(rounds, 1)]
+    rows.append({"row": "rl_drafting plot", "ours_ms": None, "baseline_ms": None, "speedup": None, "notes": RL_PLOT})
     return rows
 
 

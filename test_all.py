@@ -1786,7 +1786,8 @@ def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case
 
     assert credits("walk:v", "wXyZ", end=True) == [1.0] * 5
     assert credits("walk:8", "9aB") == [1.0] * 3
-    # A wrong symbol loses its own credit only; EOS earns it after "z" alone.
+    # A wrong symbol loses its own credit only (the one after it is judged against it, as
+    # in count); EOS earns it after "z" alone.
     assert credits("walk:v", "wyz", end=True) == [1.0, 0.0, 1.0, 1.0]
     assert credits("walk:v", "wx", end=True) == [1.0, 1.0, 0.0]
     assert credits("walk:z", "", end=True) == [1.0] and credits("walk:v", "w!x") == [1.0, 0.0, 0.0]

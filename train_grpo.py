@@ -32,7 +32,10 @@ import signal
 import sys
 import time
 
-import run_log
+# The process's start: what the imports below and the run's start cost is reported from it.
+IMPORTS_STARTED = time.perf_counter()
+
+import run_log  # noqa: E402
 
 if __name__ == "__main__":
     # The stack's known-harmless warnings are raised while it imports, before the flags are
@@ -281,6 +284,7 @@ class Run:
     check_params: object = None  # auto's acceptance check's
     train_config: trainer.TrainConfig = None
     tuner_before_step: dict = None  # auto's tuner as the step under way found it
+    start_seconds: dict = None  # where the run's start went: {phase: wall seconds} before step 1
 
 
 def header(run, args):
@@ -300,35 +304,45 @@ def header(run, args):
         + (", each prompt trained once" if s.shared_prefix else "")
         + f"; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
         "flags: " + (" ".join(changed) or "all defaults") + (f"; resumed at step {run.start_step}" if run.start_step
-                                                            else "")])
+                                                            else ""),
+        f"start: {sum(run.start_seconds.values()):.1f} s (" + ", ".join(
+            f"{phase} {seconds:.1f}" for phase, seconds in run.start_seconds.items()) + ")"])
 
 
 def start(run_settings, resume_dir, examples, held_out, stop, inputs):
-    """Process group, tokenizer, policy, engines and checkpoint: the run before step 1."""
-    s = run_settings
-    rank, world_size, device = init_distributed()
-    lock = lock_out(s.out, rank)
+    """Process group, tokenizer, policy, engines and checkpoint: the run before step 1, each
+    part timed (Run.start_seconds; the imports and flag checks before it as "imports")."""
+    s, timer = run_settings, run_log.PhaseTimer()
+    timer.seconds["imports"] = time.perf_counter() - IMPORTS_STARTED
+    with timer("process group"):
+        rank, world_size, device = init_distributed()
+        lock = lock_out(s.out, rank)
     random.seed(s.seed)
     torch.manual_seed(s.seed)
-    # The built-in model is written once and cached; only rank 0 writes it.
-    model_dir = s.model or broadcast(write_builtin_model(s.builtin_model) if rank == 0 else None)
-    # The one tokenizer of prompts and answers (vLLM loads the same, through transformers).
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if s.data:
-        refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
-    credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
-                      s.reward_timeout, lambda: stop.signum != 0)
-    init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed)
-    mtp_patch.patch_megatron_mtp()
-    policy = trainer.build_policy(model_dir, flags.train_config(s))
-    engines = rollout.build_engines(model_dir, flags.rollout_config(s), rank)
-    start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
+    with timer("model files"):
+        # The built-in model is written once and cached; only rank 0 writes it.
+        model_dir = s.model or broadcast(write_builtin_model(s.builtin_model) if rank == 0 else None)
+        # The one tokenizer of prompts and answers (vLLM loads the same, through transformers).
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if s.data:
+            refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
+        credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
+                          s.reward_timeout, lambda: stop.signum != 0)
+    with timer("policy"):
+        init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed)
+        mtp_patch.patch_megatron_mtp()
+        policy = trainer.build_policy(model_dir, flags.train_config(s))
+    with timer("vLLM engines"):
+        engines = rollout.build_engines(model_dir, flags.rollout_config(s), rank)
+    with timer("checkpoint"):
+        start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
     params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
     check_params = rollout.sampling_params(s.group_size, s.temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                            ignore_eos=True)
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
-               model_dir, lock, stop, inputs, params, check_params, flags.train_config(s))
+               model_dir, lock, stop, inputs, params, check_params, flags.train_config(s),
+               start_seconds=timer.seconds)
 
 
 def lock_out(out, rank):
@@ -417,6 +431,9 @@ def main(args):
     stop = checkpoint.StopRequest()
     run = start(s, resume_dir, examples, held_out, stop, inputs)
     metrics_path, records, writer, wandb_run = open_outputs(run, resume_dir, args, changed)
+    # The ranks begin step 1 together: their skew at the start (rank 0 alone opens the
+    # loggers) belongs to the start, not to step 1's first phase.
+    dist.barrier()
     started = time.time()
 
     for step in range(run.start_step + 1, s.steps + 1):
