@@ -40,10 +40,12 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    model's logits computed without a graph (rolled d times like the labels; with explicit
    targets, read at `policy_rows`), and its loss is the soft cross entropy
    -sum_v p(v) log softmax(MTP logits / T)(v) (vocab-parallel over the TP group), under the
-   same weights and normalisation as the sampled token's. vLLM accepts a draft token with
+   same weights and normalisation as the sampled token's; at T = 1, on the policy that
+   sampled the tokens, it is the sampled-token loss's expectation over the sampled token,
+   the same objective without its sampling noise. vLLM accepts a draft token with
    probability min(1, p/q), so a draft distribution q is accepted 1 - TV(p, q) of the
-   time: fitting q to p itself, rather than to one sample of p per position, is what
-   raises acceptance (SkyRL trains its draft head on the policy's detached logits
+   time: a head fit to p itself, rather than to one sample of p per position, should be
+   accepted more often (SkyRL trains its draft head on the policy's detached logits
    likewise). It costs one more output-layer pass per forward, without a graph; under CP
    each depth's roll all-gathers the [V/tp, s] logits over the CP group. Without the
    attribute the target is the sampled token, as upstream.

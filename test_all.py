@@ -1005,6 +1005,36 @@ def _mtp_policy_loss_by_hand(model, out, batch, block_output):
             "logprob_error": float(logprob_error / logprobs.abs().max())}
 
 
+def _policy_logits_rolled_across_ranks():
+    """Each rank (CP = the world size): random [T, V] logits of a packed batch rolled by
+    `_policy_target_logits` for depths 1 and 2 with the installed roll, gathered in input
+    order, and the same shift by hand: logits[i + d] within i's sequence, else 0."""
+    from megatron.core.transformer import multi_token_prediction
+    rank, cp_size, _ = cpu_backend.init_distributed()
+    group = torch.distributed.group.WORLD
+    mtp_patch.patch_megatron_mtp()
+    seqlens = torch.tensor(FORWARD_SEQLENS)
+    total = int(seqlens.sum())
+    batch = cp_thd.pack_thd(torch.zeros(total, dtype=torch.int64), seqlens, cp_size=cp_size, cp_rank=rank)
+    logits = torch.randn(total, 5, generator=torch.Generator().manual_seed(0))
+    roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": group, "packed_seq_params": batch.packed_seq_params}
+    rolled = mtp_patch._policy_target_logits(batch.pack(logits)[:, None], [(None, None, None, None)] * 2,
+                                             multi_token_prediction.roll_tensor, roll_kwargs)
+    ours = [batch.unpack(depth_logits[:, 0].contiguous(), cp_group=group) for depth_logits in rolled]
+    ends = torch.repeat_interleave(torch.cumsum(seqlens, 0), seqlens)
+    token = torch.arange(total)
+    by_hand = [torch.where((token + depth < ends)[:, None], logits[(token + depth).clamp(max=total - 1)], 0.0)
+               for depth in (1, 2)]
+    return ours, by_hand
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_mtp_patch_policy_logits_roll_exactly_like_the_labels_across_ranks(cp_size):
+    for ours, by_hand in run_in_processes(_policy_logits_rolled_across_ranks, world_size=cp_size):
+        assert all(torch.equal(rolled, expected) for rolled, expected in zip(ours, by_hand))
+        assert not torch.equal(ours[1], by_hand[0])  # depth 2 rolls twice
+
+
 def _policy_targets_one_roll_short(policy_logits, depth_targets, roll_tensor, roll_kwargs):
     """mtp_patch._policy_target_logits broken on purpose: depth d gets the main logits rolled d - 1 times."""
     rolled = policy_logits
