@@ -27,6 +27,7 @@ import torch
 
 import checkpoint
 import draft_tuner
+import forward
 import grpo_loss
 import rollout
 import spec_config
@@ -272,6 +273,11 @@ def add_mtp_flags(p):
     p.add_argument("--mtp-loss-scale", type=NON_NEGATIVE, default=TRAIN.mtp_loss_scale,
                    help=f"multiplies megatron's MTP loss weight: the MTP loss enters the gradient with weight "
                         f"{DEFAULT_MTP_LOSS_SCALING_FACTOR} x this / MTP layers")
+    p.add_argument("--mtp-target", choices=forward.MTP_TARGET_MODES, default=TRAIN.mtp_target,
+                   help="what the MTP head learns at each position: sampled, the token drawn there (cross entropy), "
+                        "or policy, the policy's own next-token distribution at --temperature, detached (soft cross "
+                        "entropy): vLLM accepts a draft with probability min(1, p/q), so a head fit to p itself "
+                        "rather than to one sample of it should accept more")
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
                    help="MTP draft tokens per verify step, or auto: the k in 0..--max-speculative-tokens (0: no "
                         "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "

@@ -17,6 +17,9 @@ How it stays right and cheap:
   number the pack's slots), as many prompt tokens shared as leave every output unchanged;
   its MTP targets go to the model explicitly (mtp_patch's MTP_TARGETS_ATTRIBUTE), as one
   shared slot predicts each member's own next tokens.
+- `mtp_target="policy"` has the MTP head learn the policy's own next-token distribution at
+  the sampling temperature instead of the sampled tokens (mtp_patch's item 9; the
+  temperature rides on `packed_seq_params`).
 - `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
   positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
   `position_ids` and crash on `None`. (A vision model, which computes its own positions,
@@ -40,7 +43,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from cp_thd import ThdBatch, pack_shared_prefix, pack_thd
-from mtp_patch import MTP_TARGETS_ATTRIBUTE, patched
+from mtp_patch import MTP_POLICY_TEMPERATURE_ATTRIBUTE, MTP_TARGETS_ATTRIBUTE, patched
+
+# What the MTP head learns (`forward_logprobs`' mtp_target): the sampled next tokens, or the
+# policy's next-token distribution (soft targets).
+MTP_TARGET_MODES = ("sampled", "policy")
 
 
 @dataclass
@@ -114,8 +121,8 @@ def vocab_parallel_entropy(logits, group=None):
 
 
 def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1.0, with_entropy=False,
-                     mtp_train=False, gather=False, pad_id=0, pad_multiple=1, routed_experts=None,
-                     replay_routing=False, prefix_group_size=None):
+                     mtp_train=False, mtp_target="sampled", gather=False, pad_id=0, pad_multiple=1,
+                     routed_experts=None, replay_routing=False, prefix_group_size=None):
     """Run `model` on packed sequences; return per-token next-token log-probs (and entropy).
 
     model: megatron-core GPTModel (post_process=True), built with THD-capable attention.
@@ -128,6 +135,10 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     mtp_train: pass packed position ids so the MTP layers can roll them; megatron then
       attaches the MTP loss to the graph. Off: position_ids=None (megatron derives RoPE
       positions from packed_seq_params).
+    mtp_target: with mtp_train, what the MTP head learns at each position: "sampled", the
+      token that follows (cross entropy on hard labels), or "policy", the policy's own
+      next-token distribution there at `temperature`, without its graph (soft cross
+      entropy; needs megatron patched by mtp_patch.py).
     gather: return [T_total] tensors in input order (all-gathered over the CP group; for
       logging) instead of this CP rank's [T_local] slots (for a loss computed on the shard).
     routed_experts: optional [T_total, moe_layers, top_k] int, the experts the rollout
@@ -144,12 +155,15 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; expected > 0")
+    _check_mtp_target(mtp_target, mtp_train)
     cp_group = parallel_state.get_context_parallel_group()
     seqlens = torch.as_tensor(seqlens, device=input_ids.device)
     labels, loss_mask = _labels_and_loss_mask(input_ids, seqlens, loss_mask)
     shared = prefix_group_size is not None
     batch = _packed_batch(model, input_ids, seqlens, loss_mask, cp_group, pad_id=pad_id, pad_multiple=pad_multiple,
                           prefix_group_size=prefix_group_size, mtp_train=mtp_train)
+    if mtp_train and mtp_target == "policy":
+        setattr(batch.packed_seq_params, MTP_POLICY_TEMPERATURE_ATTRIBUTE, temperature)
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
@@ -167,6 +181,17 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
         local_mask = loss_mask
     return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch,
                          routing_agreement=routing.get("agreement"))
+
+
+def _check_mtp_target(mtp_target, mtp_train):
+    """Refuse an MTP target that is not one of MTP_TARGET_MODES, or policy targets that the
+    model's MTP loss would not read (megatron-core unpatched: it would train on the sampled
+    tokens without a word)."""
+    if mtp_target not in MTP_TARGET_MODES:
+        raise ValueError(f"mtp_target={mtp_target!r}; expected one of {MTP_TARGET_MODES}")
+    if mtp_train and mtp_target == "policy" and not patched():
+        raise ValueError("mtp_target='policy' on an unpatched megatron-core: call mtp_patch.patch_megatron_mtp() "
+                         "(its MTP loss reads the policy target)")
 
 
 def _labels_and_loss_mask(input_ids, seqlens, loss_mask):
@@ -241,13 +266,16 @@ def shared_prefix_lengths(input_ids, seqlens, loss_mask, group_size, mtp_depth):
 
 def mtp_targets(slot_of_token, input_ids, seqlens, loss_mask, mtp_depth):
     """The MTP targets of a shared-prefix pack, for mtp_patch (MTP_TARGETS_ATTRIBUTE): per
-    depth d in 1..mtp_depth, (rows [E] int64, labels [E] int64, weights [E] fp32).
+    depth d in 1..mtp_depth, (rows [E] int64, labels [E] int64, weights [E] fp32,
+    policy_rows [E] int64).
 
     slot_of_token [T_total] int64 (`SharedPrefixBatch.slot_of_token`), input_ids [T_total],
     seqlens [B], loss_mask [T_total] (the next-token mask). Token i's depth-d output
     predicts token i + d + 1 of its sequence, weighted by the main mask at i + d (what
     megatron's roll of labels and mask gives within a sequence); it sits at i's slot, so a
-    slot the members of a group share carries each member's target.
+    slot the members of a group share carries each member's target. The main output that
+    predicts the same token i + d + 1 sits at the slot of token i + d (policy_rows: where
+    the policy target of mtp_target="policy" is read).
     """
     total = len(input_ids)
     token = torch.arange(total, device=input_ids.device)
@@ -258,7 +286,8 @@ def mtp_targets(slot_of_token, input_ids, seqlens, loss_mask, mtp_depth):
     for depth in range(1, mtp_depth + 1):
         weights = torch.where(remaining > depth + 1, loss_mask[(token + depth).clamp(max=total - 1)], 0.0)
         counted = weights > 0
-        targets.append((slot_of_token[counted], input_ids[token[counted] + depth + 1].long(), weights[counted].float()))
+        targets.append((slot_of_token[counted], input_ids[token[counted] + depth + 1].long(), weights[counted].float(),
+                        slot_of_token[token[counted] + depth]))
     return targets
 
 
@@ -368,11 +397,13 @@ def output_layer_logits(model, clone, **inputs):
     captured = []
 
     def keep_logits(module, args, output):
-        # The output layer runs once per MTP layer, then once for the main model: the last
-        # capture is the main one. With labels, megatron's own cross entropy then works on
-        # these logits in place; hand it a copy and keep the original.
+        # The output layer runs once per MTP layer (and once more for an MTP policy target),
+        # then once for the main model: the last capture is the main one, and only the
+        # latest is kept, so that no other logits outlive their use. With labels, megatron's
+        # own cross entropy then works on these logits in place; hand it a copy and keep
+        # the original.
         logits, bias = output
-        captured.append(logits)
+        captured[:] = [logits]
         return (logits.clone(), bias) if clone else output
 
     hook = model.output_layer.register_forward_hook(keep_logits)

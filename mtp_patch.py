@@ -29,9 +29,26 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
 8. Explicit MTP targets: a packing whose slots are not one sequence after another (one
    slot serving several sequences, as a GRPO group's shared prompt does) sets
    `packed_seq_params.mtp_targets` (MTP_TARGETS_ATTRIBUTE): per depth (rows [E] int64,
-   labels [E] int64, weights [E] fp32), each target the label a slot's MTP output at that
-   depth predicts. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
+   labels [E] int64, weights [E] fp32, policy_rows [E] int64), each target the label a
+   slot's MTP output at that depth predicts, and the slot whose main output predicts that
+   same label. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
    sum(weights): a slot may carry several targets, and labels and mask are not rolled.
+9. Policy targets: with `packed_seq_params.mtp_policy_temperature`
+   (MTP_POLICY_TEMPERATURE_ATTRIBUTE, a temperature T > 0) the MTP head learns the policy's
+   own next-token distribution instead of the sampled token. Depth d at position i, which
+   predicts token i + d + 1, takes as its target p = softmax(z[i + d] / T), z the main
+   model's logits computed without a graph (rolled d times like the labels; with explicit
+   targets, read at `policy_rows`), and its loss is the soft cross entropy
+   -sum_v p(v) log softmax(MTP logits / T)(v) (vocab-parallel over the TP group), under the
+   same weights and normalisation as the sampled token's; at T = 1, on the policy that
+   sampled the tokens, it is the sampled-token loss's expectation over the sampled token,
+   the same objective without its sampling noise. vLLM accepts a draft token with
+   probability min(1, p/q), so a draft distribution q is accepted 1 - TV(p, q) of the
+   time: a head fit to p itself, rather than to one sample of p per position, should be
+   accepted more often (SkyRL trains its draft head on the policy's detached logits
+   likewise). It costs one more output-layer pass per forward, without a graph; under CP
+   each depth's roll all-gathers the [V/tp, s] logits over the CP group. Without the
+   attribute the target is the sampled token, as upstream.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
@@ -69,6 +86,10 @@ PATCHED_FUNCTIONS = (
 PATCH_MARK = "_mtp_patch_options"
 # Where a packing puts explicit MTP targets (item 8 above) on its PackedSeqParams.
 MTP_TARGETS_ATTRIBUTE = "mtp_targets"
+# Where a forward asks for the policy's distribution as the MTP target (item 9 above), at
+# the sampling temperature: on its PackedSeqParams, as it is a property of the batch's
+# forward (the sampler's temperature), not of the model.
+MTP_POLICY_TEMPERATURE_ATTRIBUTE = "mtp_policy_temperature"
 
 # Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
 # A copy of cp_thd.CHUNKS_PER_RANK, as `_roll_source_index`'s arithmetic is of
@@ -350,7 +371,8 @@ def _make_process_mtp_loss(megatron, packed_roll):
     the sequence-level mean (summed over CP ranks, as megatron sums gradients, it equals
     the CP=1 loss; upstream averages per-shard means), and clamped to >= 1 (0/0 = NaN on
     a batch without loss tokens). With `calculate_per_token_loss` it normalises per rolled
-    token and rescales by the unrolled count, as 0.17+ do.
+    token and rescales by the unrolled count, as 0.17+ do. The target is the sampled token,
+    or with MTP_POLICY_TEMPERATURE_ATTRIBUTE the policy's distribution (item 9 above).
     """
     roll_tensor = packed_roll if packed_roll is not None else megatron["roll_tensor"]
     autoscaler = megatron["MTPLossAutoScaler"]
@@ -376,16 +398,20 @@ def _make_process_mtp_loss(megatron, packed_roll):
         original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
+
+        def logits_of(hidden):
+            logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
+            return logits if scale_logits is None else scale_logits(logits)
+
+        depth_loss = _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets, roll_tensor,
+                                          roll_kwargs, compute_language_model_loss, parallel_state)
         for depth in range(num_layers):
-            mtp_logits, _ = output_layer(hidden_states_list[depth + 1], weight=output_weight,
-                                         runtime_gather_output=runtime_gather_output)
-            if scale_logits is not None:
-                mtp_logits = scale_logits(mtp_logits)
+            mtp_logits = logits_of(hidden_states_list[depth + 1])
             num_tokens = depth_num_tokens[depth].clamp(min=1)
-            rows, depth_labels, weights = depth_targets[depth]
+            rows, depth_labels, weights, _ = depth_targets[depth]
             if rows is not None:
                 mtp_logits = mtp_logits.index_select(0, rows)
-            mtp_loss = weights * compute_language_model_loss(depth_labels, mtp_logits)
+            mtp_loss = weights * depth_loss(depth_labels, mtp_logits)
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
             # 0.19 replaced this logger with one that also wants acceptance counts.
             if is_training and logs_to_tracker:
@@ -402,15 +428,97 @@ def _make_process_mtp_loss(megatron, packed_roll):
     return process_mtp_loss
 
 
+def _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
+                         compute_language_model_loss, parallel_state):
+    """The per-token loss of each depth in turn, (labels, MTP logits) -> [b, s] (or [1, E] with
+    explicit targets) fp32: megatron's cross entropy on the sampled labels, or with
+    MTP_POLICY_TEMPERATURE_ATTRIBUTE the soft cross entropy against the policy's distribution
+    at that temperature (labels unused).
+
+    logits_of: the output layer (and logit scaling) on hidden states [s, b, h] -> [s, b, V/tp];
+    hidden_states [s, b, h]: the trunk's; depth_targets: `_depth_targets`'.
+    """
+    temperature = getattr(packed_seq_params, MTP_POLICY_TEMPERATURE_ATTRIBUTE, None)
+    if temperature is None:
+        return compute_language_model_loss
+    if not temperature > 0:
+        raise ValueError(f"packed_seq_params.{MTP_POLICY_TEMPERATURE_ATTRIBUTE} = {temperature!r}; expected > 0")
+    # The policy's distribution is a target, not something the MTP loss may move.
+    with torch.no_grad():
+        policy_logits = logits_of(hidden_states).float() / temperature
+    targets = _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def soft_cross_entropy(labels, mtp_logits):
+        loss = _VocabParallelSoftCrossEntropy.apply(mtp_logits.float() / temperature, next(targets), tp_group)
+        return loss.transpose(0, 1)  # [s, b] -> [b, s], as megatron's cross entropy returns it
+
+    return soft_cross_entropy
+
+
+def _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs):
+    """Each depth's target logits in turn, a generator (one depth's rolled copy alive at a time).
+
+    policy_logits [s, b, V/tp] fp32 without a graph: the main logits / T, where position i
+    predicts token i + 1. Depth d at i predicts token i + d + 1: without explicit targets
+    its target is policy_logits rolled d times along the sequence with the labels' roll
+    ([s, b, V/tp]; 0, a uniform target, where the mask rolled in 0), with them the depth's
+    policy_rows of policy_logits ([E, 1, V/tp]).
+    """
+    rolled = policy_logits
+    for _, _, _, policy_rows in depth_targets:
+        if policy_rows is not None:
+            yield policy_logits.index_select(0, policy_rows)
+        else:
+            # The roll works on the last dimension, the labels' [b, s] sequence: move it there and back.
+            rolled = roll_tensor(rolled.permute(1, 2, 0), **roll_kwargs)[0].permute(2, 0, 1)
+            yield rolled
+
+
+class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
+    """-sum_v p(v) log q(v) per token, p = softmax(target logits), q = softmax(logits), the
+    vocabulary split over the TP group (megatron's vocab_parallel_cross_entropy takes hard
+    labels only).
+
+    logits [..., V/tp] fp32 (the MTP head's), target_logits [..., V/tp] fp32 (no gradient)
+    -> [...] fp32, the same on every TP rank. Forward all-reduces over the group each
+    log-softmax's max and sum of exponentials, and the sum over the vocabulary; backward is
+    local, d/dlogits = q - p (p sums to 1 over the whole vocabulary), as every rank
+    backpropagates the same loss.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target_logits, group):
+        log_q = _vocab_parallel_log_softmax(logits, group)
+        p = _vocab_parallel_log_softmax(target_logits, group).exp_()
+        loss = _all_reduced(-(p * log_q).sum(dim=-1), group)
+        ctx.save_for_backward(log_q.exp_().sub_(p))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        q_minus_p, = ctx.saved_tensors
+        return grad_loss.unsqueeze(-1) * q_minus_p, None, None
+
+
+def _vocab_parallel_log_softmax(logits, group):
+    """logits [..., V/tp] -> log-softmax over the whole vocabulary, this rank's shard [..., V/tp]."""
+    logits_max = _all_reduced(logits.max(dim=-1, keepdim=True).values, group, "MAX")
+    shifted = logits - logits_max
+    sum_exp = _all_reduced(shifted.exp().sum(dim=-1, keepdim=True), group)
+    return shifted - sum_exp.log()
+
+
 def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers, roll_kwargs):
-    """What each MTP depth predicts: ([(rows, labels, weights) per depth], [unrolled token
-    count, then each depth's]) on this rank; a depth's loss is weights * CE(labels, its
-    logits, at `rows` unless None).
+    """What each MTP depth predicts: ([(rows, labels, weights, policy_rows) per depth],
+    [unrolled token count, then each depth's]) on this rank; a depth's loss is weights *
+    CE(labels, its logits, at `rows` unless None), its policy target (item 9 above) the main
+    logits at `policy_rows`, or rolled like the labels where None.
 
     labels, loss_mask (None: all ones): [b, s]. Without explicit targets depth k predicts the
-    labels rolled k times, weighted by the mask rolled k times (rows None, [b, s] each); with
-    them (MTP_TARGETS_ATTRIBUTE, item 8 above) depth k's rows [E] predict its labels [1, E]
-    with its weights [1, E].
+    labels rolled k times, weighted by the mask rolled k times (rows and policy_rows None,
+    [b, s] each); with them (MTP_TARGETS_ATTRIBUTE, item 8 above) depth k's rows [E] predict
+    its labels [1, E] with its weights [1, E], and its policy_rows [E] give the policy target.
     """
     if loss_mask is None:
         loss_mask = torch.ones_like(labels)
@@ -420,28 +528,39 @@ def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers
     if len(targets) != num_layers:
         raise ValueError(f"packed_seq_params.{MTP_TARGETS_ATTRIBUTE} holds {len(targets)} depths of targets; the "
                          f"model has {num_layers} MTP layers")
-    counts = [loss_mask.sum()] + [weights.sum().to(loss_mask.dtype) for _, _, weights in targets]
-    return [(rows, target_labels[None], weights[None]) for rows, target_labels, weights in targets], counts
+    counts = [loss_mask.sum()] + [weights.sum().to(loss_mask.dtype) for _, _, weights, _ in targets]
+    return [(rows, target_labels[None], weights[None], policy_rows)
+            for rows, target_labels, weights, policy_rows in targets], counts
 
 
 def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
     """Depth k predicts the labels rolled k times, under the mask rolled k times: ([(None,
-    labels, mask) per depth], [unrolled token count, then each depth's]) on this rank."""
+    labels, mask, None) per depth], [unrolled token count, then each depth's]) on this rank."""
     depth_targets, counts = [], [loss_mask.sum()]
     for _ in range(num_layers):
         labels, _ = roll_tensor(labels, **roll_kwargs)
         loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
-        depth_targets.append((None, labels, loss_mask))
+        depth_targets.append((None, labels, loss_mask, None))
         counts.append(num_tokens)
     return depth_targets, counts
 
+
+def _spans_ranks(group):
+    """Whether `group` has more than this process (never outside torch.distributed)."""
+    return group is not None and torch.distributed.is_initialized() and group.size() > 1
+
+
 def _sum_over(count, group):
     """Token counts (any shape) summed over `group` (a no-op outside torch.distributed or at size 1)."""
-    if group is None or not torch.distributed.is_initialized() or group.size() == 1:
-        return count
-    count = count.clone()
-    torch.distributed.all_reduce(count, group=group)
-    return count
+    return _all_reduced(count.clone(), group) if _spans_ranks(group) else count
+
+
+def _all_reduced(tensor, group, op="SUM"):
+    """`tensor` all-reduced over `group` in place, op a torch.distributed.ReduceOp name (a
+    no-op outside torch.distributed or at size 1)."""
+    if _spans_ranks(group):
+        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op), group=group)
+    return tensor
 
 
 def _make_checkpointed_forward(original, megatron, probes):

@@ -70,6 +70,13 @@ def tiny_checkpoint():
         yield tiny_model.build_tiny_model(directory)
 
 
+@pytest.fixture(scope="session")
+def two_mtp_checkpoint():
+    """The tiny MiMo checkpoint with two MTP layers (depth 2 rolls twice), written once per test session."""
+    with tempfile.TemporaryDirectory(prefix="tiny-mimo-mtp2-") as directory:
+        yield tiny_model.build_tiny_model(directory, num_mtp_layers=2)
+
+
 # The files these tests are about: every test's name starts with one (so `pytest test_all.py
 # -k cp_thd` runs exactly cp_thd's tests), and names no other.
 TESTED_FILES = sorted(name[:-3] for name in os.listdir(REPO_DIR) if name.endswith(".py") and name != "test_all.py") \
@@ -690,13 +697,16 @@ def test_forward_mtp_targets_give_a_shared_slot_each_members_target_by_hand():
     assert shared.tolist() == [2] and batch.input_ids.tolist() == [5, 6, 7, 1, 7, 2]
     # Position 1's MTP output predicts token 3 (under the main mask at 2): slot 1 carries 1
     # and 2; position 2's predicts token 4: each member's own slot. Position 3 has no token
-    # 5 to predict.
-    (rows, labels, weights), = forward.mtp_targets(batch.slot_of_token, ids, seqlens, mask, mtp_depth=1)
+    # 5 to predict. The main output predicting the same token sits at position + 1: token
+    # 3 is predicted at slot 2 (member 0's position 2) and 4 (member 1's), token 4 at 3 and 5.
+    (rows, labels, weights, policy_rows), = forward.mtp_targets(batch.slot_of_token, ids, seqlens, mask, mtp_depth=1)
     assert rows.tolist() == [1, 2, 1, 4] and labels.tolist() == [1, 3, 2, 4] and weights.tolist() == [1, 1, 1, 1]
+    assert policy_rows.tolist() == [2, 3, 4, 5]
     # Two MTP layers: depth 2 predicts token 3 from position 0 (under the mask at 2) and
-    # token 4 from position 1 (the mask at 3), all from the shared slots.
-    _, (rows, labels, _) = forward.mtp_targets(batch.slot_of_token, ids, seqlens, mask, mtp_depth=2)
-    assert rows.tolist() == [0, 1, 0, 1] and labels.tolist() == [1, 3, 2, 4]
+    # token 4 from position 1 (the mask at 3), all from the shared slots; the policy's
+    # distributions of those tokens are at position + 2, each member's own slots.
+    _, (rows, labels, _, policy_rows) = forward.mtp_targets(batch.slot_of_token, ids, seqlens, mask, mtp_depth=2)
+    assert rows.tolist() == [0, 1, 0, 1] and labels.tolist() == [1, 3, 2, 4] and policy_rows.tolist() == [2, 3, 4, 5]
 
 
 # ---------------------------------------------------------------------------------------
@@ -924,6 +934,218 @@ def test_mtp_patch_roll_index_map_agrees_with_the_zigzag_layout_it_copies():
                 ours = mtp_patch._roll_source_index(cu_seqlens, cp_size, rank, local_tokens, torch.device("cpu"))
                 assert torch.equal(ours, expected[rank * local_tokens:(rank + 1) * local_tokens]), \
                     (cp_size, lengths, tp_size, rank)
+
+
+# The policy as the MTP target (mtp_patch item 9): the soft cross entropy against the
+# policy's own detached distribution, by hand, in the rolled and the shared-prefix layouts
+
+MTP_POLICY_TEMPERATURE = 0.7
+# fp32 on CPU, the same sums in another order: relative to the largest value compared (a
+# few units in the last place).
+MTP_POLICY_TOLERANCE = 1e-6
+MTP_POLICY_LOGIT_SCALE = 10.0
+
+
+def _mtp_policy_forward_backward(model, batch, mtp_target="policy", prefix_group_size=None, by_hand=False):
+    """forward_logprobs with MTP training on `batch` (input_ids, seqlens, loss_mask, _), then
+    the backward of the MTP loss alone (the main log-probs x 0): the per-depth MTP losses,
+    every gradient (None where none arrived) and, with `by_hand`, `_mtp_policy_loss_by_hand`'s."""
+    input_ids, seqlens, loss_mask, _ = batch
+    captured = []
+    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.append(output))
+    model.zero_grad(set_to_none=True)
+    try:
+        out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask,
+                                       temperature=MTP_POLICY_TEMPERATURE, mtp_train=True, mtp_target=mtp_target,
+                                       prefix_group_size=prefix_group_size)
+    finally:
+        hook.remove()
+    expected = _mtp_policy_loss_by_hand(model, out, batch, captured[-1]) if by_hand else None
+    (out.logprobs * 0).sum().backward()
+    return {"mtp_losses": model.mtp_losses.clone(), "by_hand": expected,
+            "grads": {name: None if param.grad is None else param.grad.clone()
+                      for name, param in model.named_parameters()}}
+
+
+def _mtp_policy_loss_by_hand(model, out, batch, block_output):
+    """The policy-target MTP loss in plain torch from the MTP block's output [trunk; depth 1;
+    ...; depth n] ([(1 + n) T, 1, h], one sequence after another): depth d's loss is, over
+    each sequence's tokens i that have a token i + d + 1, sum(mask[i + d] * -sum_v p(v) log
+    q(v)) / max(1, sum(mask[i + d])), with p = softmax(main logits[i + d] / T) and q =
+    softmax(depth-d logits[i] / T). Returns {"losses": [n], "grads": the MTP layers' gradient
+    of scale / n x their sum (megatron's weighting), "logprob_error": how far the main
+    logits by hand give the forward's log-probs, relative to the largest}."""
+    input_ids, seqlens, loss_mask, _ = batch
+    depths = model.config.mtp_num_layers
+    weight = model.output_layer.weight.detach()
+    hidden = [out.batch.unpack(part)[:, 0] for part in block_output.chunk(1 + depths)]  # each [T, h]
+    main = F.linear(hidden[0].detach(), weight) / MTP_POLICY_TEMPERATURE
+    ends = torch.cumsum(seqlens, 0)
+    mask = loss_mask.clone()
+    mask[ends - 1] = 0  # the last token of a sequence predicts nothing
+    labels = torch.roll(input_ids, -1)
+    logprobs = torch.log_softmax(main, -1).gather(1, labels[:, None])[:, 0] * mask
+    losses = []
+    for depth in range(1, depths + 1):
+        head = F.linear(hidden[depth], weight) / MTP_POLICY_TEMPERATURE
+        total, count = torch.zeros(()), torch.zeros(())
+        for start, end in zip((ends - seqlens).tolist(), ends.tolist()):
+            policy = torch.softmax(main[start + depth:end - 1], -1)
+            log_head = torch.log_softmax(head[start:max(start, end - depth - 1)], -1)
+            weights = mask[start + depth:end - 1]
+            total = total + (weights * -(policy * log_head).sum(-1)).sum()
+            count = count + weights.sum()
+        losses.append(total / count.clamp(min=1))
+    losses = torch.stack(losses)
+    names, params = zip(*[(name, param) for name, param in model.named_parameters() if name.startswith("mtp.")])
+    scaled = model.config.mtp_loss_scaling_factor / depths * losses.sum()
+    grads = torch.autograd.grad(scaled, params, retain_graph=True, allow_unused=True)
+    logprob_error = (out.batch.unpack(out.logprobs.detach()) - logprobs.detach()).abs().max()
+    return {"losses": losses.detach(), "grads": dict(zip(names, grads)),
+            "logprob_error": float(logprob_error / logprobs.abs().max())}
+
+
+def _policy_logits_rolled_across_ranks():
+    """Each rank (CP = the world size): random [T, V] logits of a packed batch rolled by
+    `_policy_target_logits` for depths 1 and 2 with the installed roll, gathered in input
+    order, and the same shift by hand: logits[i + d] within i's sequence, else 0."""
+    from megatron.core.transformer import multi_token_prediction
+    rank, cp_size, _ = cpu_backend.init_distributed()
+    group = torch.distributed.group.WORLD
+    mtp_patch.patch_megatron_mtp()
+    seqlens = torch.tensor(FORWARD_SEQLENS)
+    total = int(seqlens.sum())
+    batch = cp_thd.pack_thd(torch.zeros(total, dtype=torch.int64), seqlens, cp_size=cp_size, cp_rank=rank)
+    logits = torch.randn(total, 5, generator=torch.Generator().manual_seed(0))
+    roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": group, "packed_seq_params": batch.packed_seq_params}
+    rolled = mtp_patch._policy_target_logits(batch.pack(logits)[:, None], [(None, None, None, None)] * 2,
+                                             multi_token_prediction.roll_tensor, roll_kwargs)
+    ours = [batch.unpack(depth_logits[:, 0].contiguous(), cp_group=group) for depth_logits in rolled]
+    ends = torch.repeat_interleave(torch.cumsum(seqlens, 0), seqlens)
+    token = torch.arange(total)
+    by_hand = [torch.where((token + depth < ends)[:, None], logits[(token + depth).clamp(max=total - 1)], 0.0)
+               for depth in (1, 2)]
+    return ours, by_hand
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_mtp_patch_policy_logits_roll_exactly_like_the_labels_across_ranks(cp_size):
+    for ours, by_hand in run_in_processes(_policy_logits_rolled_across_ranks, world_size=cp_size):
+        assert all(torch.equal(rolled, expected) for rolled, expected in zip(ours, by_hand))
+        assert not torch.equal(ours[1], by_hand[0])  # depth 2 rolls twice
+
+
+def _policy_targets_one_roll_short(policy_logits, depth_targets, roll_tensor, roll_kwargs):
+    """mtp_patch._policy_target_logits broken on purpose: depth d gets the main logits rolled d - 1 times."""
+    rolled = policy_logits
+    for _ in depth_targets:
+        yield rolled
+        rolled = roll_tensor(rolled.permute(1, 2, 0), **roll_kwargs)[0].permute(2, 0, 1)
+
+
+def _mtp_policy_measurements(checkpoint):
+    """The packed batch of several sequences and the grouped batch (shared prefix) with the
+    policy target, each against the loss by hand, and broken on purpose: the policy rolled
+    one position short, the shared layout's policy rows at the MTP output's own slot."""
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    model = build_gpt_model(checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    # A random tiny model's next-token distributions are close to uniform, and so close to
+    # one another; sharper ones set a target read at the wrong position far apart.
+    with torch.no_grad():
+        model.output_layer.weight.mul_(MTP_POLICY_LOGIT_SCALE)
+    packed, grouped = _forward_batch(vocab_size=tiny_model.VOCAB_SIZE), _grouped_batch(vocab_size=tiny_model.VOCAB_SIZE)
+    results = {"packed": _mtp_policy_forward_backward(model, packed, by_hand=True),
+               "sampled": _mtp_policy_forward_backward(model, packed, mtp_target="sampled"),
+               "unshared": _mtp_policy_forward_backward(model, grouped, by_hand=True),
+               "shared": _mtp_policy_forward_backward(model, grouped, prefix_group_size=SHARED_GROUP_SIZE)}
+    original = mtp_patch._policy_target_logits
+    mtp_patch._policy_target_logits = _policy_targets_one_roll_short
+    try:
+        results["one roll short"] = _mtp_policy_forward_backward(model, packed)
+    finally:
+        mtp_patch._policy_target_logits = original
+    original = forward.mtp_targets
+
+    def policy_at_own_slot(*args):
+        return [(rows, labels, weights, rows) for rows, labels, weights, _ in original(*args)]
+    forward.mtp_targets = policy_at_own_slot
+    try:
+        results["shared, policy at own slot"] = _mtp_policy_forward_backward(model, grouped,
+                                                                             prefix_group_size=SHARED_GROUP_SIZE)
+    finally:
+        forward.mtp_targets = original
+    return results
+
+
+@pytest.fixture(scope="module")
+def mtp_policy_results(two_mtp_checkpoint):
+    return run_in_processes(_mtp_policy_measurements, args=(two_mtp_checkpoint,))[0]
+
+
+def _relative_difference(values, reference):
+    """max |values - reference| / max |reference|, over tensors [n] or {name: tensor}."""
+    if isinstance(reference, dict):
+        values, reference = ([tensors[name] for name in reference if reference[name] is not None]
+                             for tensors in (values, reference))
+        return max(float((value - ref).abs().max()) for value, ref in zip(values, reference)) / max(
+            float(ref.abs().max()) for ref in reference)
+    return float((values - reference).abs().max() / reference.abs().max())
+
+
+def test_mtp_patch_policy_target_loss_equals_a_soft_cross_entropy_by_hand(mtp_policy_results):
+    packed = mtp_policy_results["packed"]
+    by_hand = packed["by_hand"]
+    loss_error = _relative_difference(packed["mtp_losses"], by_hand["losses"])
+    grad_error = _relative_difference(packed["grads"], by_hand["grads"])
+    print(f"policy target, 7 packed sequences, 2 depths: losses {packed['mtp_losses'].tolist()}, relative to the "
+          f"loss by hand {loss_error:.1e} apart, MTP gradients {grad_error:.1e}; main log-probs by hand "
+          f"{by_hand['logprob_error']:.1e}")
+    # The reference's main logits are the model's: they give the forward's log-probs.
+    assert by_hand["logprob_error"] < MTP_POLICY_TOLERANCE
+    assert loss_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
+    assert all(grad.abs().sum() > 0 for grad in by_hand["grads"].values() if grad is not None)
+    # Not the sampled tokens' loss under another name.
+    assert (packed["mtp_losses"] - mtp_policy_results["sampled"]["mtp_losses"]).abs().min() > 1e-3
+
+
+def test_mtp_patch_policy_target_trains_only_mtp_layers(mtp_policy_results):
+    grads = mtp_policy_results["packed"]["grads"]
+    trunk = {name: grad for name, grad in grads.items() if not name.startswith("mtp.")}
+    assert any(name.startswith("embedding.") for name in trunk) and any(name.startswith("output_layer.")
+                                                                        for name in trunk)
+    # The main loss (x 0) reaches the trunk with zeros; the MTP loss adds nothing there.
+    assert all(grad is None or not grad.any() for grad in trunk.values()), \
+        [name for name, grad in trunk.items() if grad is not None and grad.any()]
+    mtp_grads = [grad for name, grad in grads.items() if name.startswith("mtp.") and grad is not None]
+    assert mtp_grads and sum(float(grad.abs().sum()) for grad in mtp_grads) > 0
+
+
+def test_mtp_patch_policy_target_one_roll_short_is_caught(mtp_policy_results):
+    broken = mtp_policy_results["one roll short"]["mtp_losses"]
+    difference = (broken - mtp_policy_results["packed"]["by_hand"]["losses"]).abs()
+    print(f"policy rolled d - 1 times: losses {broken.tolist()}, {difference.tolist()} from the loss by hand")
+    assert (difference > 1e-3).all()
+
+
+def test_forward_shared_prefix_policy_mtp_target_equals_the_unshared_layout(mtp_policy_results):
+    unshared, shared = mtp_policy_results["unshared"], mtp_policy_results["shared"]
+    broken = mtp_policy_results["shared, policy at own slot"]
+    names = sorted(name for name, grad in unshared["grads"].items() if grad is not None)
+    by_hand_error = _relative_difference(unshared["mtp_losses"], unshared["by_hand"]["losses"])
+    loss_error = _relative_difference(shared["mtp_losses"], unshared["mtp_losses"])
+    grad_error = _relative_difference(shared["grads"], unshared["grads"])
+    broken_error = float((broken["mtp_losses"] - unshared["mtp_losses"]).abs().min())
+    print(f"policy target, shared prefix vs unshared (relative): losses {loss_error:.1e} apart, gradients "
+          f"{grad_error:.1e}; unshared vs by hand {by_hand_error:.1e}; policy rows at the MTP output's own slot: "
+          f"losses {broken_error:.1e} apart")
+    assert by_hand_error < MTP_POLICY_TOLERANCE
+    assert loss_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
+    assert sorted(name for name, grad in shared["grads"].items() if grad is not None) == names
+    assert broken_error > 1e-3
 
 
 # ---------------------------------------------------------------------------------------
@@ -2991,7 +3213,7 @@ def _sharded_state(full_state, model):
 
 
 def _run_forward(checkpoint, full_state, *, tp=1, cp=1, mtp=True, attention="thd", position_formula=None,
-                 shard_loss_mask=None, dtype=torch.float32):
+                 shard_loss_mask=None, dtype=torch.float32, mtp_target="sampled"):
     """Build the model at (tp, cp), load `full_state`, run forward + backward; return
     gathered log-probs / entropy, the summed MTP loss, grads (full shape) and MTP inputs."""
     from megatron.core import parallel_state
@@ -3018,7 +3240,7 @@ def _run_forward(checkpoint, full_state, *, tp=1, cp=1, mtp=True, attention="thd
     if shard_loss_mask is not None:
         loss_mask = shard_loss_mask(loss_mask, seqlens)
     out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
-                                   mtp_train=mtp, temperature=0.7)
+                                   mtp_train=mtp, temperature=0.7, mtp_target=mtp_target)
     num_tokens = loss_mask.sum().clamp(min=1)
     local_weights = out.batch.pack(weights)
     loss = -(out.logprobs * local_weights).sum() / num_tokens - 0.01 * (out.entropy * out.loss_mask).sum() / num_tokens
@@ -3113,6 +3335,45 @@ def test_forward_under_tensor_or_context_parallel_equals_unsharded(tiny_checkpoi
         _assert_forward_equal(reference, sharded)
         assert reference["mtp_loss"] is not None and torch.isfinite(reference["mtp_loss"])
         assert reference["grads"]["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_forward_refuses_an_unknown_mtp_target_and_policy_targets_megatron_would_ignore(monkeypatch):
+    ids = torch.tensor([3, 4, 5])
+    # Refused before the model is touched.
+    with pytest.raises(ValueError, match=r"mtp_target='soft'; expected one of \('sampled', 'policy'\)"):
+        forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="soft")
+    monkeypatch.setattr(forward, "patched", lambda: False)
+    with pytest.raises(ValueError, match="mtp_target='policy' on an unpatched megatron-core"):
+        forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="policy")
+
+
+def _forward_policy_target_layouts(checkpoint, tp, cp):
+    cpu_backend.init_distributed()
+    full_state = _reference_state(checkpoint)
+    # Sharper distributions than a random model's (see `_mtp_policy_measurements`).
+    full_state["output_layer.weight"] = full_state["output_layer.weight"] * MTP_POLICY_LOGIT_SCALE
+    return (_run_forward(checkpoint, full_state, mtp_target="policy"),
+            _run_forward(checkpoint, full_state, tp=tp, cp=cp, mtp_target="policy"))
+
+
+def _largest_forward_differences(reference, other):
+    """(|MTP loss difference|, the largest gradient difference) of two results with an MTP loss and gradients."""
+    return ((reference["mtp_loss"] - other["mtp_loss"]).abs().item(),
+            max((grad - other["grads"][name]).abs().max().item() for name, grad in reference["grads"].items()))
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 1)])
+def test_forward_policy_mtp_target_under_tensor_or_context_parallel_equals_unsharded(two_mtp_checkpoint, tp, cp):
+    # Two MTP depths: under CP the policy logits roll twice across the ranks' chunks; under
+    # TP the soft cross entropy is reduced over the vocabulary shards.
+    results = run_in_processes(_forward_policy_target_layouts, world_size=2, args=(two_mtp_checkpoint, tp, cp))
+    for reference, sharded in results:
+        loss_difference, grad_difference = _largest_forward_differences(reference, sharded)
+        print(f"policy target, TP {tp} CP {cp} vs 1 rank: MTP loss {float(reference['mtp_loss']):.6f}, "
+              f"{loss_difference:.1e} apart; gradients {grad_difference:.1e} apart at most")
+        _assert_forward_equal(reference, sharded)
+        assert torch.isfinite(reference["mtp_loss"])
+        assert reference["grads"]["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
 
 
 # The shared-prefix layout: GRPO groups, each prompt run once
@@ -3271,7 +3532,7 @@ def _transformers_logprobs(checkpoint, input_ids, seqlens, temperature):
     return torch.cat(logprobs)
 
 
-def _moe_forward_backward(checkpoint, tp, cp, ep, sum_partial_grads=True):
+def _moe_forward_backward(checkpoint, tp, cp, ep, sum_partial_grads=True, mtp_target="sampled"):
     """Load the HF checkpoint at (tp, cp, ep), run forward + backward on `_forward_batch`;
     log-probs and entropy gathered, the MTP loss summed over CP, and every gradient in HF
     layout: reduced as megatron's DDP reduces it (and, with `sum_partial_grads`, the
@@ -3290,7 +3551,7 @@ def _moe_forward_backward(checkpoint, tp, cp, ep, sum_partial_grads=True):
     device = next(model.parameters()).device
     input_ids, seqlens, loss_mask, weights = (tensor.to(device) for tensor in _forward_batch())
     out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
-                                   mtp_train=True, temperature=0.7)
+                                   mtp_train=True, temperature=0.7, mtp_target=mtp_target)
     num_tokens = loss_mask.sum()
     loss = -(out.logprobs * out.batch.pack(weights)).sum() / num_tokens \
         - 0.01 * (out.entropy * out.loss_mask).sum() / num_tokens
@@ -3330,6 +3591,8 @@ def _moe_layouts(checkpoint):
             results["tp 2, column-parallel MLA"] = _moe_forward_backward(checkpoint, 2, 1, 1)
         finally:
             megatron_model.MLA_DOWN_PROJECTIONS = original
+    # The policy as the MTP target at TP 2, which these families run with sequence parallelism.
+    results["policy target"] = [_moe_forward_backward(checkpoint, tp, 1, 1, mtp_target="policy") for tp in (1, 2)]
     # Every rank: rebuilding megatron's groups is collective.
     model = _shared_prefix_model(checkpoint)
     results["shared prefix"] = [_shared_prefix_forward_backward(model, group_size)
@@ -3382,6 +3645,20 @@ def test_forward_shared_prefix_moe_families_equal_the_unshared_layout(moe_checkp
     _assert_forward_equal(unshared, shared)
     # Routed experts and the MLA / partial-rotary attention all had gradients to compare.
     assert sum(float(grad.abs().sum() > 0) for name, grad in unshared["grads"].items() if ".experts." in name) > 10
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_forward_policy_mtp_target_moe_families_at_tp_2_with_sequence_parallelism_equal_one_rank(moe_checkpoints,
+                                                                                                 family):
+    # The output layer gathers the trunk's sequence slices for the policy logits, as for the MTP logits.
+    for results in _moe_layout_results(moe_checkpoints[family]):
+        reference, sharded = results["policy target"]
+        loss_difference, grad_difference = _largest_forward_differences(reference, sharded)
+        print(f"{family} policy target, TP 2 (sequence parallel) vs 1 rank: MTP loss "
+              f"{float(reference['mtp_loss']):.6f}, {loss_difference:.1e} apart; gradients {grad_difference:.1e} "
+              "apart at most")
+        _assert_forward_equal(reference, sharded)
+        assert (reference["mtp_loss"] - results[1, 1, 1]["mtp_loss"]).abs() > 1e-4  # the sampled tokens' loss
 
 
 def _moe_push_into_vllm(checkpoint):
@@ -3720,6 +3997,25 @@ def test_trainer_clip_acts_only_with_several_optimizer_steps_per_batch(tiny_chec
     print(f"clip fraction {two_tight['clip_fraction']:.3f}, ratio max {two_tight['ratio_max']:.4f}")
     assert two_tight["clip_fraction"] > 0 and two_loose["clip_fraction"] == 0 and two_tight["ratio_max"] > 1
     assert (two_tight["weights"] - two_loose["weights"]).abs().max() > 1e-5
+
+
+def test_trainer_micro_batch_passes_its_mtp_target_on(monkeypatch):
+    class Reached(Exception):
+        pass
+    received = {}
+
+    def forward_stub(model, input_ids, seqlens, **options):
+        received.update(options)
+        raise Reached
+    monkeypatch.setattr(trainer, "forward_logprobs", forward_stub)
+    policy = trainer.Policy(model=torch.nn.Linear(1, 1), ddp_model=None, optimizer=None)
+    sample = {"prompt_ids": [3, 4], "response_ids": [5, 6], "advantages": torch.ones(2), "rollout_logprobs": [-1.0, -1.0],
+              "group": 0}
+    assert trainer.TrainConfig().mtp_target == "sampled"
+    for target in ("policy", "sampled"):
+        with pytest.raises(Reached):
+            trainer.micro_batch_loss(policy, [sample], 1, 2, trainer.TrainConfig(mtp_target=target), sums={})
+        assert received["mtp_target"] == target and received["mtp_train"]
 
 
 def test_trainer_stops_on_a_non_finite_loss_before_the_weights_change(tiny_checkpoint):
@@ -4241,6 +4537,15 @@ def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_no
     # torchrun's failure summary lists each local rank that exited non-zero.
     assert sorted(re.findall(r"\[(\d)\]:\s+time\s+:", output)) == ["0", "1"], output[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused():
+    assert flags.parse_args([]).mtp_target == trainer.TrainConfig().mtp_target == "sampled"
+    settings = flags.check_args(flags.parse_args(["--mtp-target", "policy"]), world_size=2)
+    assert flags.train_config(settings).mtp_target == "policy"
+    with pytest.raises(SystemExit) as refused:
+        flags.parse_args(["--mtp-target", "soft"])
+    assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
 
 
 def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):

@@ -64,6 +64,11 @@ class TrainConfig:
     mtp_train: bool = True            # the MTP head's loss rides on the policy's backward pass
     mtp_rollout: bool = True          # vLLM drafts with the head: the trunk's final norm stays frozen
     mtp_loss_scale: float = 1.0       # x megatron's MTP loss weight
+    # What the MTP head learns (forward.MTP_TARGET_MODES): "sampled", the next token drawn, or
+    # "policy", the policy's own detached next-token distribution (SkyRL's soft targets).
+    # vLLM accepts a draft with probability min(1, p/q), 1 - TV(p, q) on average: a head fit
+    # to p itself, not to one sample of p per position, should accept more.
+    mtp_target: str = "sampled"
     loss: grpo_loss.LossConfig = grpo_loss.LossConfig()
 
 
@@ -212,7 +217,7 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums):
     input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = pack_micro_batch(samples, device)
     weights = grpo_loss.token_weights(loss_mask, seqlens, config.loss.loss_agg, num_sequences, num_tokens)
     out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=config.temperature,
-                           with_entropy=True, mtp_train=config.mtp_train,
+                           with_entropy=True, mtp_train=config.mtp_train, mtp_target=config.mtp_target,
                            **forward_options(samples, config, device))
     batch, local_mask = out.batch, out.loss_mask
     # One optimizer step per rollout batch: this forward is the policy that sampled it.
