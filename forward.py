@@ -135,10 +135,8 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     mtp_train: pass packed position ids so the MTP layers can roll them; megatron then
       attaches the MTP loss to the graph. Off: position_ids=None (megatron derives RoPE
       positions from packed_seq_params).
-    mtp_target: with mtp_train, what the MTP head learns at each position: "sampled", the
-      token that follows (cross entropy on hard labels), or "policy", the policy's own
-      next-token distribution there at `temperature`, without its graph (soft cross
-      entropy; needs megatron patched by mtp_patch.py).
+    mtp_target: with mtp_train, what the MTP head learns: "sampled", the token that follows,
+      or "policy", the policy's own distribution there at `temperature` (mtp_patch.py's).
     gather: return [T_total] tensors in input order (all-gathered over the CP group; for
       logging) instead of this CP rank's [T_local] slots (for a loss computed on the shard).
     routed_experts: optional [T_total, moe_layers, top_k] int, the experts the rollout

@@ -33,22 +33,15 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    slot's MTP output at that depth predicts, and the slot whose main output predicts that
    same label. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
    sum(weights): a slot may carry several targets, and labels and mask are not rolled.
-9. Policy targets: with `packed_seq_params.mtp_policy_temperature`
-   (MTP_POLICY_TEMPERATURE_ATTRIBUTE, a temperature T > 0) the MTP head learns the policy's
-   own next-token distribution instead of the sampled token. Depth d at position i, which
-   predicts token i + d + 1, takes as its target p = softmax(z[i + d] / T), z the main
-   model's logits computed without a graph (rolled d times like the labels; with explicit
-   targets, read at `policy_rows`), and its loss is the soft cross entropy
-   -sum_v p(v) log softmax(MTP logits / T)(v) (vocab-parallel over the TP group), under the
-   same weights and normalisation as the sampled token's; at T = 1, on the policy that
-   sampled the tokens, it is the sampled-token loss's expectation over the sampled token,
-   the same objective without its sampling noise. vLLM accepts a draft token with
-   probability min(1, p/q), so a draft distribution q is accepted 1 - TV(p, q) of the
-   time: a head fit to p itself, rather than to one sample of p per position, should be
-   accepted more often (SkyRL trains its draft head on the policy's detached logits
-   likewise). It costs one more output-layer pass per forward, without a graph; under CP
-   each depth's roll all-gathers the [V/tp, s] logits over the CP group. Without the
-   attribute the target is the sampled token, as upstream.
+9. Policy targets: with `packed_seq_params.mtp_policy_temperature` (a temperature T > 0)
+   depth d at position i learns the policy's own distribution p = softmax(z[i + d] / T)
+   instead of the sampled token i + d + 1 (z the main logits, computed without a graph and
+   rolled like the labels, or read at `policy_rows`): the soft cross entropy
+   -sum_v p(v) log softmax(MTP logits / T)(v), vocab-parallel over TP, under the sampled
+   loss's weights and normalisation. vLLM accepts a draft with probability min(1, p/q): a
+   head fit to p itself, not to one sample of it per position, should be accepted more. It
+   costs one more output-layer pass without a graph; under CP each roll all-gathers the
+   [V/tp, s] logits.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
@@ -365,15 +358,11 @@ def _detached(embedding):
 
 def _make_process_mtp_loss(megatron, packed_roll):
     """The MTP loss, one implementation for every release (0.17+'s `process_mtp_loss` shape).
-
-    Differs from upstream (inline up to 0.16, `process_mtp_loss` from 0.17) in the token
-    count: summed over the context-parallel group, so a CP shard's loss is its share of
-    the sequence-level mean (summed over CP ranks, as megatron sums gradients, it equals
-    the CP=1 loss; upstream averages per-shard means), and clamped to >= 1 (0/0 = NaN on
-    a batch without loss tokens). With `calculate_per_token_loss` it normalises per rolled
-    token and rescales by the unrolled count, as 0.17+ do. The target is the sampled token,
-    or with MTP_POLICY_TEMPERATURE_ATTRIBUTE the policy's distribution (item 9 above).
-    """
+    Unlike upstream its token count is summed over the CP group (summed over CP ranks the
+    shards' losses equal the CP=1 loss; upstream averages per-shard means) and clamped to
+    >= 1 (no 0/0 on a shard without loss tokens); `calculate_per_token_loss` normalises per
+    rolled token and rescales by the unrolled count, as 0.17+ do. Targets: the sampled
+    token, or the policy's distribution (item 9 above)."""
     roll_tensor = packed_roll if packed_roll is not None else megatron["roll_tensor"]
     autoscaler = megatron["MTPLossAutoScaler"]
     logging_helper = megatron["MTPLossLoggingHelper"]
@@ -430,14 +419,10 @@ def _make_process_mtp_loss(megatron, packed_roll):
 
 def _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
                          compute_language_model_loss, parallel_state):
-    """The per-token loss of each depth in turn, (labels, MTP logits) -> [b, s] (or [1, E] with
-    explicit targets) fp32: megatron's cross entropy on the sampled labels, or with
-    MTP_POLICY_TEMPERATURE_ATTRIBUTE the soft cross entropy against the policy's distribution
-    at that temperature (labels unused).
-
-    logits_of: the output layer (and logit scaling) on hidden states [s, b, h] -> [s, b, V/tp];
-    hidden_states [s, b, h]: the trunk's; depth_targets: `_depth_targets`'.
-    """
+    """Each depth's per-token loss in turn, (labels, MTP logits) -> [b, s] ([1, E] with
+    explicit targets) fp32: megatron's cross entropy on the labels, or with
+    MTP_POLICY_TEMPERATURE_ATTRIBUTE the soft one against the policy's distribution.
+    logits_of: hidden states [s, b, h] -> logits [s, b, V/tp]; hidden_states: the trunk's."""
     temperature = getattr(packed_seq_params, MTP_POLICY_TEMPERATURE_ATTRIBUTE, None)
     if temperature is None:
         return compute_language_model_loss
@@ -457,14 +442,9 @@ def _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targ
 
 
 def _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs):
-    """Each depth's target logits in turn, a generator (one depth's rolled copy alive at a time).
-
-    policy_logits [s, b, V/tp] fp32 without a graph: the main logits / T, where position i
-    predicts token i + 1. Depth d at i predicts token i + d + 1: without explicit targets
-    its target is policy_logits rolled d times along the sequence with the labels' roll
-    ([s, b, V/tp]; 0, a uniform target, where the mask rolled in 0), with them the depth's
-    policy_rows of policy_logits ([E, 1, V/tp]).
-    """
+    """Each depth's target logits in turn (one rolled copy alive at a time). policy_logits
+    [s, b, V/tp] fp32, no graph: the main logits / T. Depth d's: rolled d times like the
+    labels ([s, b, V/tp]; 0 where the mask rolled in 0), or its policy_rows ([E, 1, V/tp])."""
     rolled = policy_logits
     for _, _, _, policy_rows in depth_targets:
         if policy_rows is not None:
@@ -478,13 +458,8 @@ def _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs
 class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
     """-sum_v p(v) log q(v) per token, p = softmax(target logits), q = softmax(logits), the
     vocabulary split over the TP group (megatron's vocab_parallel_cross_entropy takes hard
-    labels only).
-
-    logits [..., V/tp] fp32 (the MTP head's), target_logits [..., V/tp] fp32 (no gradient)
-    -> [...] fp32, the same on every TP rank. Forward all-reduces over the group each
-    log-softmax's max and sum of exponentials, and the sum over the vocabulary; backward is
-    local, d/dlogits = q - p (p sums to 1 over the whole vocabulary), as every rank
-    backpropagates the same loss.
+    labels only). logits [..., V/tp] fp32, target_logits [..., V/tp] fp32 (no gradient) ->
+    [...] fp32, the same on every TP rank; d/dlogits = q - p, local to each rank.
     """
 
     @staticmethod
