@@ -276,8 +276,7 @@ def add_mtp_flags(p):
     p.add_argument("--mtp-target", choices=forward.MTP_TARGET_MODES, default=TRAIN.mtp_target,
                    help="what the MTP head learns at each position: sampled, the token drawn there (cross entropy), "
                         "or policy, the policy's own next-token distribution at --temperature, detached (soft cross "
-                        "entropy): vLLM accepts a draft with probability min(1, p/q), so a head fit to p itself "
-                        "rather than to one sample of it should accept more")
+                        "entropy; one more output-layer pass per forward)")
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
                    help="MTP draft tokens per verify step, or auto: the k in 0..--max-speculative-tokens (0: no "
                         "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "

@@ -4196,9 +4196,14 @@ def test_train_grpo_runs_syncs_evaluates_keeps_the_two_newest_saves_and_is_quiet
         "layout: 2 processes x 1 thread(s) on cpu, tp 1 cp 1 dp 2, rollout tp 1; 4 prompts x 8 completions per dp "
         "rank, each prompt trained once; fp32; MTP drafting k = 1, training on") and lines[2].startswith("flags: ")
     assert all(flag in lines[2] for flag in ("--steps 5", "--save-every 2", "--num-speculative-tokens 1"))
-    assert [line.split()[1] for line in lines[3:8]] == [f"{step}/5" for step in range(1, 6)]
-    assert lines[8].startswith("done: 5 steps in ") and lines[9].startswith("drafting: 5 of 5 rollouts drafted")
-    assert lines[10].startswith("wrote ") and len(lines) == 11, stdout
+    # Where the start's seconds went, by part, summing to the total it names.
+    start = re.fullmatch(r"start: ([\d.]+) s \((.*)\)", lines[3])
+    parts = dict(re.fullmatch(r"(.+) ([\d.]+)", part).groups() for part in start.group(2).split(", "))
+    assert list(parts) == ["imports", "process group", "model files", "policy", "vLLM engines", "checkpoint"]
+    assert sum(map(float, parts.values())) == pytest.approx(float(start.group(1)), abs=0.35)
+    assert [line.split()[1] for line in lines[4:9]] == [f"{step}/5" for step in range(1, 6)]
+    assert lines[9].startswith("done: 5 steps in ") and lines[10].startswith("drafting: 5 of 5 rollouts drafted")
+    assert lines[11].startswith("wrote ") and len(lines) == 12, stdout
     # What stays on stderr: torchrun's own banner and the NUMA note of vLLM's C++ extension.
     said = [re.sub(r"^.*run\.py:\d+\] ?", "", line).strip() for line in stderr.splitlines()]
     unexpected = [line for line in said if line.strip("*") and not line.startswith("Setting OMP_NUM_THREADS")
@@ -5008,17 +5013,26 @@ def _optimizer_after_resume(checkpoint_dir, directory):
     cpu_backend.init_model_parallel(seed=0)
     model = build_gpt_model(checkpoint_dir)
     policy = trainer.Policy(model, *trainer.build_optimizer(model, 3e-4, 1.0))
-    tuner = draft_tuner.DraftTuner(max_tokens=2)
+    bands = len(spec_config.BAND_EDGES)
+    tuner = draft_tuner.DraftTuner(max_tokens=2, num_bands=bands)
+    saved = draft_tuner.DraftTuner(max_tokens=3, num_bands=bands).state_dict()
     torch.save({"model": model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": 7,
-                "draft_tuner": draft_tuner.DraftTuner(max_tokens=3).state_dict()}, os.path.join(directory, "rank0.pt"))
+                "draft_tuner": saved}, os.path.join(directory, "rank0.pt"))
     resumed = trainer.Policy(model, *trainer.build_optimizer(model, 1e-4, 1.0))
     step = train_grpo.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
-    return step, [group["lr"] for group in resumed.optimizer.param_groups], tuner.max_tokens
+    # A tuner saved before k was chosen per band (no num_bands) is left alone too.
+    older = {name: value for name, value in draft_tuner.DraftTuner(max_tokens=2, num_bands=bands).state_dict().items()
+             if name != "num_bands"}
+    torch.save({"model": model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": 7,
+                "draft_tuner": older}, os.path.join(directory, "rank0.pt"))
+    tuner.acceptance[0] = 0.5
+    train_grpo.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
+    return step, [group["lr"] for group in resumed.optimizer.param_groups], (tuner.max_tokens, tuner.acceptance[0])
 
 
 def test_train_grpo_resumed_optimizer_takes_the_new_lr(tiny_checkpoint, tmp_path):
     step, rates, depth = run_in_processes(_optimizer_after_resume, args=(tiny_checkpoint, str(tmp_path)))[0]
-    assert step == 7 and rates and all(rate == 5e-5 for rate in rates) and depth == 2
+    assert step == 7 and rates and all(rate == 5e-5 for rate in rates) and depth == (2, 0.5)
 
 
 # ---------------------------------------------------------------------------------------

@@ -372,7 +372,9 @@ def load_state(directory, policy, engines, rank, lr):
     for group in policy.optimizer.param_groups:
         group["lr"] = lr
     tuner = state.get("draft_tuner")
-    if engines.tuner is not None and tuner is not None and tuner["max_tokens"] == engines.tuner.max_tokens:
+    # A tuner of another depth, or one saved before k was chosen per band, starts afresh.
+    if engines.tuner is not None and tuner is not None and (tuner["max_tokens"], tuner.get("num_bands")) == (
+            engines.tuner.max_tokens, engines.tuner.num_bands):
         engines.tuner.load_state_dict(tuner)
     return state["step"]
 

@@ -66,8 +66,8 @@ class TrainConfig:
     mtp_loss_scale: float = 1.0       # x megatron's MTP loss weight
     # What the MTP head learns (forward.MTP_TARGET_MODES): "sampled", the next token drawn, or
     # "policy", the policy's own detached next-token distribution (SkyRL's soft targets).
-    # vLLM accepts a draft with probability min(1, p/q), 1 - TV(p, q) on average: a head fit
-    # to p itself, not to one sample of p per position, should accept more.
+    # "sampled": on the walk task both accepted alike (docs/RESULTS.md), and "policy" costs
+    # one more output-layer pass per forward.
     mtp_target: str = "sampled"
     loss: grpo_loss.LossConfig = grpo_loss.LossConfig()
 
