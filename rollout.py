@@ -11,7 +11,8 @@ consecutive ranks form one vLLM tensor-parallel engine; each engine samples a sl
 the step's prompts and the slices are gathered so every trainer rank can take its own.
 Under `--num-speculative-tokens auto` two engines live side by side: a plain one (an
 engine without a speculative config decodes fastest at k = 0) and a drafting one whose
-k is switched per rollout (spec_config.set_draft_tokens), chosen by draft_tuner.
+k per band of live batch sizes is set before each rollout (spec_config.set_draft_schedule),
+chosen by draft_tuner from every engine step's seconds and tokens (spec_config.BandMeter).
 
 For an MoE model each engine has a `RoutingRecorder`: every sample then carries the experts
 vLLM routed its tokens to, which the trainer replays (--routing-replay) or compares with

