@@ -237,14 +237,17 @@ class SpecDecodeMeter:
                          including requests from other callers.
 
     With no source it logs one warning per process saying how to enable statistics, and
-    returns None. It never raises: statistics must not end a rollout.
+    returns None. It never raises: statistics must not end a rollout. `engine_counters`
+    False: an engine built with `disable_log_stats` (no counters), read per request only.
     """
 
-    def __init__(self, llm):
-        self.llm = llm
+    def __init__(self, llm, engine_counters=True):
+        self.llm, self.engine_counters = llm, engine_counters
         self._previous_counters = self._safe_engine_counters()
 
     def _safe_engine_counters(self):
+        if not self.engine_counters:
+            return None
         try:
             return _engine_counters(self.llm)
         except Exception as error:
