@@ -33,30 +33,17 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    slot's MTP output at that depth predicts, and the slot whose main output predicts that
    same label. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
    sum(weights): a slot may carry several targets, and labels and mask are not rolled.
-9. Policy targets: with `packed_seq_params.mtp_policy_temperature` (a temperature T > 0)
-   depth d at position i learns the policy's own distribution p = softmax(z[i + d] / T)
-   instead of the sampled token i + d + 1 (z the main logits, computed without a graph and
-   rolled like the labels, or read at `policy_rows`): the soft cross entropy
-   -sum_v p(v) log softmax(MTP logits / T)(v), vocab-parallel over TP, under the sampled
-   loss's weights and normalisation. vLLM accepts a draft with probability min(1, p/q): a
-   head fit to p itself, not to one sample of it per position, should be accepted more. It
-   costs one more output-layer pass without a graph; under CP each roll all-gathers the
-   [V/tp, s] logits.
+9. Policy targets: with `packed_seq_params.mtp_policy_temperature` (T > 0) depth d at
+   position i learns the policy's detached distribution softmax(z[i + d] / T) (z the main
+   logits, rolled like the labels or read at `policy_rows`) by a vocab-parallel soft cross
+   entropy under the sampled loss's weights and normalisation; one more output-layer pass.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
     ...
     unpatch_megatron_mtp()           # returns 3; the original function objects are back
 
-Patched: `GPTModel._postprocess` (the MTP layers and their loss run there),
-`MultiTokenPredictionLayer._checkpointed_forward` and, where it has a packed path
-(0.16+), the module global `multi_token_prediction.roll_tensor` that `_get_embeddings`
-calls (the loss here uses the same roll). Every signature difference between
-releases is probed once, when patching, and kept in the replacement's closure; a
-forward pass never inspects a signature. Inference paths (an inference context,
-speculative decoding, megatron's inference mode) run the release's own code unchanged.
-Megatron's MoE overlap schedule (`overlap_moe_expert_parallel_comm`) runs the MTP layers
-outside `_postprocess`; there only the detached output weight applies.
+What is replaced, and where megatron's own code still runs: docs/MTP_MATRIX.md.
 
 Imports only torch, the standard library and (when patching) megatron-core.
 """
@@ -80,8 +67,7 @@ PATCH_MARK = "_mtp_patch_options"
 # Where a packing puts explicit MTP targets (item 8 above) on its PackedSeqParams.
 MTP_TARGETS_ATTRIBUTE = "mtp_targets"
 # Where a forward asks for the policy's distribution as the MTP target (item 9 above), at
-# the sampling temperature: on its PackedSeqParams, as it is a property of the batch's
-# forward (the sampler's temperature), not of the model.
+# the sampler's temperature: on its PackedSeqParams, a property of the batch's forward.
 MTP_POLICY_TEMPERATURE_ATTRIBUTE = "mtp_policy_temperature"
 
 # Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
@@ -520,20 +506,15 @@ def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
     return depth_targets, counts
 
 
-def _spans_ranks(group):
-    """Whether `group` has more than this process (never outside torch.distributed)."""
-    return group is not None and torch.distributed.is_initialized() and group.size() > 1
-
-
 def _sum_over(count, group):
-    """Token counts (any shape) summed over `group` (a no-op outside torch.distributed or at size 1)."""
-    return _all_reduced(count.clone(), group) if _spans_ranks(group) else count
+    """Token counts (any shape) summed over `group`, in a copy."""
+    return _all_reduced(count.clone(), group)
 
 
 def _all_reduced(tensor, group, op="SUM"):
     """`tensor` all-reduced over `group` in place, op a torch.distributed.ReduceOp name (a
     no-op outside torch.distributed or at size 1)."""
-    if _spans_ranks(group):
+    if group is not None and torch.distributed.is_initialized() and group.size() > 1:
         torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op), group=group)
     return tensor
 
