@@ -29,6 +29,7 @@ tasks.
 
 import collections
 import dataclasses
+import gc
 import json
 import os
 
@@ -261,6 +262,10 @@ def build_engines(model_dir, rollout_config, rank):
     """This device's engines for the run's drafting mode (see `Engines`), each built as
     `rollout_config` (a RolloutConfig) says."""
     rc = rollout_config
+    # vLLM collects garbage several times while it builds an engine, then freezes the heap.
+    # Frozen first, the trainer's objects (the policy, megatron's and torch's modules) are
+    # not walked by every one of those collections.
+    gc.freeze()
     auto = rc.mtp_rollout and rc.auto_draft
     plain = build_engine(model_dir, rc, rank) if auto or not rc.mtp_rollout else None
     drafting = build_engine(model_dir, rc, rank, draft_tokens=rc.draft_tokens, dynamic=auto) if rc.mtp_rollout else None

