@@ -3785,6 +3785,109 @@ def test_hf_weights_moe_round_trip_is_bit_exact_at_tp_2_and_ep_2(moe_checkpoints
         assert all(results[layout]["round_trip_exact"] for layout in ((1, 1, 1), *MOE_LAYOUTS))
 
 
+# A DeepSeek model whose FP8 blocks meet every edge case: hidden 192 and the MLA latent of
+# 576 rows end in half blocks; at TP 2 q_b_proj's rows 192:384 and o_proj's columns 64:128
+# start inside a block, so each rank must read whole blocks and cut its slice out.
+FP8_MODEL_SIZES = {"hidden_size": 192}
+
+
+def _fp8_dequantized_by_hand(fp8_dir):
+    """The FP8 checkpoint dequantized block by block with explicit loops, to fp32."""
+    stored = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    expected = {}
+    for name, tensor in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if name + "_scale_inv" not in stored:
+            expected[name] = tensor.float()
+            continue
+        scale, out = stored[name + "_scale_inv"], torch.empty(tensor.shape)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                block = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
+                out[block] = tensor[block].float() * scale[i, j]
+        expected[name] = out
+    return expected
+
+
+def _fp8_loads(fp8_dir, broken_dir):
+    """Megatron-to-HF tensors of the model loaded from `fp8_dir` at TP 1 and 2, and at TP 2
+    with the scale forgotten or the slice's blocks misaligned; the error of `broken_dir`."""
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+
+    def load(tp, checkpoint=fp8_dir):
+        cpu_backend.init_model_parallel(tensor_parallel=tp, seed=0)
+        model = build_gpt_model(checkpoint, tensor_parallel=tp)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        return {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)}
+
+    def unaligned(self, name, dim, start, stop):
+        # The bug a block-aligned read prevents: the slice alone, its first row taken for a block's first.
+        length, side = self.shape(name)[dim], self.block[dim]
+        start, stop = (0, length) if start is None else (start, stop)
+        scale = self._read_stored(name + hf_weights.SCALE_SUFFIX, dim, start // side, -(-stop // side))
+        return hf_weights.dequantize_fp8_blocks(self._read_stored(name, dim, start, stop), scale, self.block)
+
+    results = {"tp 1": load(1), "tp 2": load(2)}
+    with pytest.raises(ValueError) as error:
+        load(1, broken_dir)
+    results["error"] = str(error.value)
+    dequantize, read = hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized
+    try:
+        hf_weights.dequantize_fp8_blocks = lambda weight, scale, block: weight.float()
+        results["scale forgotten"] = load(2)
+        hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized = dequantize, unaligned
+        results["blocks misaligned"] = load(2)
+    finally:
+        hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized = dequantize, read
+    return to_host(results) if torch.distributed.get_rank() == 0 else None
+
+
+def test_hf_weights_fp8_block_quantized_checkpoint_loads_as_dequantized_by_hand_at_tp_1_and_2(tmp_path):
+    source = tiny_model.build_tiny_model(str(tmp_path / "bf16"), "deepseek", **FP8_MODEL_SIZES)
+    fp8_dir = tiny_model.write_fp8_checkpoint(source, str(tmp_path / "fp8"))
+    stored = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    # The published layout: FP8 linear weights with a float32 scale per 128 x 128 block, the rest bf16.
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (5, 2)  # 576 x 192
+    assert stored["model.layers.2.mlp.experts.15.down_proj.weight_scale_inv"].dtype == torch.float32
+    for bf16 in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+                 "model.layers.2.eh_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
+        assert stored[bf16].dtype == torch.bfloat16 and bf16 + "_scale_inv" not in stored
+    broken_dir = tmp_path / "broken"
+    shutil.copytree(fp8_dir, broken_dir)
+    broken = dict(stored)
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    broken[scale] = broken[scale][:1, :1]
+    del broken["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    save_file(broken, str(broken_dir / "model.safetensors"))
+
+    results, _ = run_in_processes(_fp8_loads, world_size=2, args=(fp8_dir, str(broken_dir)))
+    expected = _fp8_dequantized_by_hand(fp8_dir)
+    for layout in ("tp 1", "tp 2"):
+        assert set(results[layout]) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(results[layout][name], tensor), (layout, name)
+    # Quantization moved the weights (so forgetting the scale shows), and within FP8's precision.
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    error = (expected["model.layers.1.self_attn.q_b_proj.weight"] - weights["model.layers.1.self_attn.q_b_proj.weight"])
+    assert 0 < error.abs().max() < 0.1 * weights["model.layers.1.self_attn.q_b_proj.weight"].abs().max()
+    for bug in ("scale forgotten", "blocks misaligned"):
+        wrong = [name for name, tensor in expected.items() if not torch.equal(results[bug][name], tensor)]
+        print(f"{bug}: {len(wrong)} of {len(expected)} tensors differ, e.g. {wrong[:2]}")
+        # q_b_proj's rows 192:384 at TP 2 start half way into a block.
+        assert "model.layers.1.self_attn.q_b_proj.weight" in wrong
+    assert "model.layers.1.self_attn.o_proj.weight" in [name for name, tensor in expected.items()
+                                                        if not torch.equal(results["scale forgotten"][name], tensor)]
+    assert "model.layers.0.self_attn.o_proj.weight_scale_inv: shape (1, 1), expected (2, 1)" in results["error"]
+    assert "model.layers.0.mlp.down_proj.weight: stored as F8_E4M3 without" in results["error"]
+    with pytest.raises(ValueError, match="quant_method='compressed-tensors'.*expected quant_method 'fp8'"):
+        hf_weights.fp8_block_size({"quantization_config": {"quant_method": "compressed-tensors"}})
+    with pytest.raises(ValueError, match=r"weight_block_size=None: expected two positive block sides"):
+        hf_weights.fp8_block_size({"quantization_config": {"quant_method": "fp8"}})
+
+
 def _batch_buggy_positions(batch):
     return torch.cat([_thd_buggy_positions(int(length), int(padded), batch.cp_size, batch.cp_rank)
                       for length, padded in zip(batch.seqlens, batch.seqlens_padded)])

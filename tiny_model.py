@@ -21,6 +21,8 @@ import argparse
 import inspect
 import json
 import os
+import re
+import shutil
 import string
 
 import torch
@@ -340,6 +342,52 @@ def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
     # The stamp goes last: an interrupted write is never mistaken for a finished one.
     with open(stamp_path, "w") as f:
         json.dump(stamp, f, indent=2)
+    return out_dir
+
+
+# DeepSeek-V3's published FP8 checkpoints quantize the linear layers of attention and MLP
+# (experts and shared experts included) and keep the rest in bf16: embedding, output
+# layer, norms, the routers and their bias, and the MTP layer's eh_proj and its copies.
+FP8_QUANTIZED = re.compile(r".*\.(self_attn|mlp|mlp\.shared_experts|mlp\.experts\.\d+)\.[a-z_]+_proj(_with_mqa)?\.weight")
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_fp8_blocks(weight, block=(128, 128)):
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(rows/128), ceil(cols/128)]) in the
+    published layout: each block scaled so its largest magnitude is FP8's largest (448);
+    dequantizing multiplies by scale_inv. Ragged edge blocks are scaled by what they hold."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv
+
+
+def write_fp8_checkpoint(source_dir, out_dir, block=(128, 128)):
+    """An FP8 block-quantized copy of the checkpoint in `source_dir`, as DeepSeek publishes
+    one: `FP8_QUANTIZED` weights as float8_e4m3fn with their `weight_scale_inv`, every other
+    tensor bf16, config.json with DeepSeek-V3's `quantization_config`. Returns `out_dir`."""
+    from safetensors.torch import load_file
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for name, tensor in load_file(os.path.join(source_dir, "model.safetensors")).items():
+        if FP8_QUANTIZED.fullmatch(name):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(tensor, block)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(torch_dtype="bfloat16", quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(source_dir, name), os.path.join(out_dir, name))
     return out_dir
 
 
