@@ -4230,13 +4230,19 @@ def _train(out, *flags):
     return records, stdout
 
 
-@pytest.mark.parametrize("family,tensor_parallel,expert_parallel,replay", [
-    ("deepseek", 1, 2, "--routing-replay"), ("deepseek", 2, 1, "--routing-replay"),
-    ("glm", 2, 1, "--no-routing-replay")])
-def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_parallel, expert_parallel, replay):
+@pytest.mark.parametrize("family,tensor_parallel,expert_parallel,replay,weights", [
+    ("deepseek", 1, 2, "--routing-replay", "bf16"), ("deepseek", 2, 1, "--routing-replay", "bf16"),
+    ("glm", 2, 1, "--no-routing-replay", "fp8")])
+def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_parallel, expert_parallel, replay, weights):
     from transformers import AutoModelForCausalLM
     out = str(tmp_path / family)
-    records, stdout, _ = _torchrun(out, "--builtin-model", family, "--tp", str(tensor_parallel), "--ep",
+    model = ("--builtin-model", family)
+    if weights == "fp8":
+        # The built-in model block-quantized as DeepSeek publishes FP8: the policy loads it
+        # dequantized, the engines start unquantized with dummy weights and get the policy's.
+        source = tiny_model.build_tiny_model(str(tmp_path / "bf16"), family, **tiny_model.BUILTIN_MODELS[family][1])
+        model = ("--model", tiny_model.write_fp8_checkpoint(source, str(tmp_path / "fp8")))
+    records, stdout, _ = _torchrun(out, *model, "--tp", str(tensor_parallel), "--ep",
                                    str(expert_parallel), replay, "--steps", "3", "--prompts-per-step", "4",
                                    "--eval-every", "3", "--num-speculative-tokens", "1")
     assert [record["step"] for record in records] == [1, 2, 3]
@@ -4254,6 +4260,9 @@ def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_paral
                record["routing_agreement"] > 0.95 for record in records)
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert type(exported).__name__ == tiny_model.builtin_config(family)[1]["architectures"][0]
+    # Never quantized on the way out: the trainer's fp32 tensors, config.json without quantization_config.
+    assert {tensor.dtype for tensor in _final_weights(out).values()} == {torch.float32}
+    assert "quantization_config" not in megatron_model.load_hf_config(os.path.join(out, "final"))
 
 
 # A short run for the end-to-end and fault-tolerance tests: 5 steps, checkpoints at 2, 4, 5,
