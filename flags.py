@@ -35,7 +35,7 @@ import tasks
 import tiny_model
 import trainer
 from megatron_model import (DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config,
-                            transformer_engine_usable)
+                            transformer_engine_usable, unsupported_fields)
 
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
@@ -415,7 +415,8 @@ def model_problems(args, hf_config):
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         return [f"--model {args.model!r}: architecture {', '.join(architectures) or '(none in config.json)'} is not "
                 f"one this project builds; expected {' or '.join(SUPPORTED_ARCHITECTURES)}"]
-    problems = []
+    # A config.json field the model builder would not honour, before any process group.
+    problems = [f"--model {args.model!r}: config.json {problem}" for problem in unsupported_fields(hf_config)]
     experts = hf_config.get("n_routed_experts")
     if args.ep > 1 and not experts:
         problems.append(f"--ep {args.ep}: {where} has no experts; expected --ep 1")

@@ -73,6 +73,73 @@ def model_family(hf_config):
                      f"builds; expected {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+# Every config.json field of the published MiMo, DeepSeek-V3 and GLM-4.5 checkpoints is
+# either built from (read by `transformer_config`), or has no effect on training
+# (`INERT_FIELDS`), or is checked against what this builder does (`FIELD_VALUES`). Any other
+# field is refused by name: ignored, it could silently change the model.
+READ_FIELDS = {
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps",
+    "tie_word_embeddings", "num_nextn_predict_layers", "partial_rotary_factor", "use_qk_norm", "attention_bias",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor", "n_group",
+    "topk_group", "first_k_dense_replace", "rope_scaling", "quantization_config"}
+# Metadata, inference settings (caching, expert placement, the sliding window's extent when
+# it is off) and pretraining's load-balancing loss, which RL leaves off (see the docstring).
+INERT_FIELDS = {
+    "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "initializer_range", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux",
+    "sliding_window", "max_window_layers"}
+# field -> (the values this builder implements, as said in a refusal). Absent is the default.
+FIELD_VALUES = {
+    "hidden_act": (("silu",), "SwiGLU with silu"),
+    "attention_dropout": ((0, 0.0), "no dropout"),
+    "use_sliding_window": ((False,), "full attention in every layer"),
+    "mlp_bias": ((False,), "MLPs without bias"),
+    "scoring_func": (("sigmoid",), "megatron's sigmoid router"),
+    "topk_method": (("noaux_tc",), "top-k by score plus e_score_correction_bias, group-limited"),
+    "norm_topk_prob": ((True,), "top-k weights normalised to sum 1"),
+    "moe_layer_freq": ((1,), "every layer from first_k_dense_replace on an MoE layer"),
+    "rope_interleave": ((True,), "DeepSeek's interleaved rotary layout"),
+}
+# rope_scaling types built per family (DeepSeek's YaRN arrives with megatron's MLA yarn).
+ROPE_SCALING_TYPES = {"mimo": (), "deepseek": (), "glm": ()}
+# quantization_config fields of the FP8 block-quantized checkpoints hf_weights.py dequantizes.
+FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+
+def unsupported_fields(hf_config):
+    """Every config.json field this builder would not honour, one line each naming the field,
+    its value and what is supported; [] when it builds the config as it says."""
+    family = model_family(hf_config)
+    problems = [f"{field}={hf_config[field]!r}: not a field this project reads or knows to be inert; expected the "
+                f"fields of the published {', '.join(SUPPORTED_ARCHITECTURES)} configs"
+                for field in sorted(set(hf_config) - READ_FIELDS - INERT_FIELDS - set(FIELD_VALUES))
+                if not field.startswith("_")]
+    for field, (values, meaning) in FIELD_VALUES.items():
+        if field in hf_config and hf_config[field] not in values:
+            problems.append(f"{field}={hf_config[field]!r}: this project builds {meaning}; expected "
+                            f"{' or '.join(repr(value) for value in values)}")
+    scaling = hf_config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if scaling and kind not in ("default", *ROPE_SCALING_TYPES[family]):
+        problems.append(f"rope_scaling type {kind!r}: the {family} path builds "
+                        f"{', '.join(ROPE_SCALING_TYPES[family]) or 'plain RoPE'}; expected rope_scaling null")
+    quantization = hf_config.get("quantization_config") or {}
+    for field, expected in FP8_BLOCK_QUANTIZATION.items():
+        if quantization and quantization.get(field, expected) != expected:
+            problems.append(f"quantization_config.{field}={quantization.get(field)!r}: FP8 block-quantized "
+                            f"weights are read (hf_weights.py); expected {field} {expected!r}")
+    return problems
+
+
+def refuse_unsupported_fields(hf_config):
+    """ValueError listing `unsupported_fields`, before anything is built; None when there are none."""
+    problems = unsupported_fields(hf_config)
+    if problems:
+        raise ValueError("config.json has fields this project does not implement:\n  " + "\n  ".join(problems))
+
+
 def _moe_fields(hf_config, expert_parallel):
     """TransformerConfig fields of DeepSeek-V3's and GLM-4.5's MoE layers."""
     num_experts = hf_config["n_routed_experts"]
@@ -142,6 +209,7 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
     every rank routes every token and the experts' gradients come out TP-fold).
     """
     family = model_family(hf_config)
+    refuse_unsupported_fields(hf_config)
     if expert_parallel > 1 and family == "mimo":
         raise ValueError(f"expert_parallel={expert_parallel}: the MiMo model has no experts; expected 1")
     if sequence_parallel is None:

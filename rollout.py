@@ -76,6 +76,9 @@ class RolloutConfig:
     spec_overrides: str = None           # the user's speculative_config JSON, merged into ours
     gpu_memory_utilization: float = 0.3  # vLLM's share of a GPU the trainer also uses
     kv_cache_bytes: int = 2**28          # the KV cache on CPU, where vLLM sizes it by bytes
+    # "dummy": vLLM fills its weights at random and the first push brings the trainer's
+    # (an FP8 checkpoint: the engines are built unquantized, the policy dequantized it).
+    load_format: str = "auto"
 
 
 def _config(model_dir):
@@ -97,7 +100,7 @@ def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False)
                    # The drafting engine's acceptance is read per request (SpecDecodeMeter,
                    # per_request_spec_decode_metrics below); vLLM's engine-wide stats would
                    # cost 3.5-5% of a drafting rollout's seconds.
-                   disable_log_stats=True, use_tqdm_on_load=False,
+                   disable_log_stats=True, use_tqdm_on_load=False, load_format=rc.load_format,
                    weight_transfer_config=vllm_sync.in_process_weight_transfer_config())
     if rc.temperature != 1.0:
         # Log-probs of the tempered distribution the tokens were drawn from.
@@ -279,9 +282,10 @@ def build_engines(model_dir, rollout_config, rank):
     moe = "n_routed_experts" in _config(model_dir)
     for engine in engines.all():
         engines.band_meters[id(engine)] = spec_config.BandMeter(engine)
-        # Built from the model directory: the weights before step 1, version 0 to vLLM too.
-        engines.versions[id(engine)] = 0
-        engine.update_weight_version("0")
+        # Built from the model directory: the weights before step 1, version 0 to vLLM too;
+        # with dummy weights none (-1), so the first rollout's push sends version 0.
+        engines.versions[id(engine)] = -1 if rc.load_format == "dummy" else 0
+        engine.update_weight_version(str(engines.versions[id(engine)]))
         if moe:
             engines.recorders[id(engine)] = RoutingRecorder(engine)
     return engines

@@ -280,6 +280,35 @@ def test_megatron_model_names_the_families_it_builds_and_refuses_bad_moe_layouts
         transformer_config({**tiny_model.glm_config(), "norm_topk_prob": False})
 
 
+def test_megatron_model_refuses_each_published_field_it_does_not_implement_by_name(tmp_path):
+    from megatron_model import transformer_config, unsupported_fields
+    # Every field of the four published configs is read, inert or checked: none refused, but
+    # DeepSeek-V3's YaRN (until megatron_model builds it).
+    assert {name: unsupported_fields(tiny_model.published_config(name)) for name in PUBLISHED} == {
+        "mimo-7b-rl": [], "glm-4.5-air": [], "glm-4.6": [],
+        "deepseek-v3": ["rope_scaling type 'yarn': the deepseek path builds plain RoPE; expected rope_scaling null"]}
+    glm = tiny_model.published_config("glm-4.6")
+    bad = {**glm, "scoring_func": "softmax", "topk_method": "greedy", "moe_layer_freq": 2, "use_sliding_window": True,
+           "hidden_act": "gelu", "sandwich_norm": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+           "quantization_config": {"quant_method": "compressed-tensors"}}
+    with pytest.raises(ValueError) as refused:
+        transformer_config(bad)
+    for line in ("scoring_func='softmax': this project builds megatron's sigmoid router; expected 'sigmoid'",
+                 "topk_method='greedy'", "moe_layer_freq=2: this project builds every layer from first_k_dense_replace",
+                 "use_sliding_window=True", "hidden_act='gelu'",
+                 "sandwich_norm=True: not a field this project reads or knows to be inert",
+                 "rope_scaling type 'linear': the glm path builds plain RoPE; expected rope_scaling null",
+                 "quantization_config.quant_method='compressed-tensors'"):
+        assert line in str(refused.value), line
+    # One config.json field in error: the run is refused with it, by flags, before any process group.
+    model_dir = tmp_path / "glm"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**glm, "norm_topk_prob": False}))
+    problems = flags.model_problems(flags.parse_args(["--model", str(model_dir)]), {**glm, "norm_topk_prob": False})
+    assert problems == [f"--model {str(model_dir)!r}: config.json norm_topk_prob=False: this project builds top-k "
+                        "weights normalised to sum 1; expected True"]
+
+
 def _rng_tracker_forks(seed):
     from megatron.core import tensor_parallel
     cpu_backend.init_distributed()
@@ -3522,7 +3551,12 @@ def _transformers_logprobs(checkpoint, input_ids, seqlens, temperature):
     import transformers
     from transformers import AutoModelForCausalLM
     transformers.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # MiMo's published model_type "mimo" has no transformers class: its trunk is Qwen2's.
+    model_class = (transformers.Qwen2ForCausalLM if megatron_model.load_hf_config(checkpoint)["model_type"] == "mimo"
+                   else AutoModelForCausalLM)
+    model, loading = model_class.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    assert not loading["missing_keys"], f"transformers found no {sorted(loading['missing_keys'])} in {checkpoint}"
+    model.eval()
     logprobs = []
     with torch.no_grad():
         for sequence in input_ids.split(seqlens.tolist()):
@@ -3783,6 +3817,187 @@ def test_hf_weights_moe_round_trip_is_bit_exact_at_tp_2_and_ep_2(moe_checkpoints
     ranks = _moe_layout_results(moe_checkpoints[family])
     for results in ranks:
         assert all(results[layout]["round_trip_exact"] for layout in ((1, 1, 1), *MOE_LAYOUTS))
+
+
+# The published configs (tiny_model.PUBLISHED_CONFIGS), shrunk, every structural field kept.
+PUBLISHED = tuple(tiny_model.PUBLISHED_CONFIGS)
+
+
+def _published_test_config(name):
+    # DeepSeek-V3's YaRN rope_scaling is refused until megatron_model builds it (the yarn
+    # branch); its FP8 weights are the FP8 test's.
+    if name == "deepseek-v3":
+        return tiny_model.published_config(name, rope_scaling=None, quantization_config=None)
+    return tiny_model.published_config(name)
+
+
+@pytest.fixture(scope="session")
+def published_checkpoints():
+    """Each published config shrunk, with seeded random weights in its published naming (MTP included)."""
+    with tempfile.TemporaryDirectory(prefix="published-") as directory:
+        yield {name: tiny_model.write_checkpoint(os.path.join(directory, name), _published_test_config(name))
+               for name in PUBLISHED}
+
+
+def _published_layouts(checkpoints):
+    """Per checkpoint, at TP 1 and 2: whether HF -> Megatron -> HF is bit-exact, and the
+    log-probs of `_forward_batch` (fp32, temperature 0.7); transformers' on rank 0."""
+    from megatron_model import build_gpt_model
+    mtp_patch.patch_megatron_mtp()
+    cpu_backend.init_distributed()
+    input_ids, seqlens, loss_mask, _ = _forward_batch()
+    results = {}
+    for name, checkpoint in checkpoints.items():
+        expected = load_file(os.path.join(checkpoint, "model.safetensors"))
+        for tp in (1, 2):
+            cpu_backend.init_model_parallel(tensor_parallel=tp, seed=0)
+            model = build_gpt_model(checkpoint, tensor_parallel=tp)
+            hf_weights.load_hf_into_megatron(model, checkpoint)
+            round_trip = dict(hf_weights.megatron_to_hf(model))
+            with torch.no_grad():
+                out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, mtp_train=True,
+                                               temperature=0.7)
+            results[name, tp] = {"round_trip_exact": set(round_trip) == set(expected) and all(
+                torch.equal(round_trip[key], tensor) for key, tensor in expected.items()),
+                "logprobs": out.batch.unpack(out.logprobs, cp_group=None), "loss_mask": out.batch.unpack(out.loss_mask),
+                "mtp_loss": out.mtp_loss.detach().clone()}
+        if torch.distributed.get_rank() == 0:
+            results[name, "transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=0.7)
+    return to_host(results)
+
+
+@functools.lru_cache(maxsize=None)
+def _published_results(checkpoints):
+    return run_in_processes(_published_layouts, world_size=2, args=(dict(checkpoints),))
+
+
+@pytest.mark.parametrize("published", PUBLISHED)
+def test_megatron_model_published_configs_match_transformers_at_tp_1_and_2(published_checkpoints, published):
+    ranks = _published_results(tuple(published_checkpoints.items()))
+    config = megatron_model.load_hf_config(published_checkpoints[published])
+    reference, mask = ranks[0][published, 1], ranks[0][published, 1]["loss_mask"] > 0
+    differences = (reference["logprobs"] - ranks[0][published, "transformers"])[mask].abs()
+    print(f"{published}: Megatron vs transformers log-probs of {int(mask.sum())} tokens: max {differences.max():.2e}; "
+          f"TP 2 vs 1: {(ranks[0][published, 2]['logprobs'] - reference['logprobs'])[mask].abs().max():.2e}")
+    assert differences.max() < FORWARD_TOLERANCE and reference["logprobs"][mask].std() > 1e-2
+    assert torch.isfinite(reference["mtp_loss"]) and reference["mtp_loss"] > 0
+    for rank in range(2):
+        torch.testing.assert_close(ranks[rank][published, 2]["logprobs"][mask], reference["logprobs"][mask],
+                                   atol=FORWARD_TOLERANCE, rtol=0)
+    # The published structure survived the shrinking.
+    if published == "glm-4.5-air":
+        assert config["num_attention_heads"] * config["head_dim"] != config["hidden_size"]
+        assert config["partial_rotary_factor"] == 0.5
+    assert config["num_nextn_predict_layers"] == 1 and (config.get("use_qk_norm") is True) == (published == "glm-4.6")
+
+
+@pytest.mark.parametrize("published", PUBLISHED)
+def test_hf_weights_published_configs_round_trip_bit_exact_at_tp_1_and_2(published_checkpoints, published):
+    for results in _published_results(tuple(published_checkpoints.items())):
+        assert results[published, 1]["round_trip_exact"] and results[published, 2]["round_trip_exact"]
+
+
+# A DeepSeek model whose FP8 blocks meet every edge case: hidden 192 and the MLA latent of
+# 576 rows end in half blocks; at TP 2 q_b_proj's rows 192:384 and o_proj's columns 64:128
+# start inside a block, so each rank must read whole blocks and cut its slice out.
+FP8_MODEL_SIZES = {"hidden_size": 192}
+
+
+def _fp8_dequantized_by_hand(fp8_dir):
+    """The FP8 checkpoint dequantized block by block with explicit loops, to fp32."""
+    stored = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    expected = {}
+    for name, tensor in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if name + "_scale_inv" not in stored:
+            expected[name] = tensor.float()
+            continue
+        scale, out = stored[name + "_scale_inv"], torch.empty(tensor.shape)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                block = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
+                out[block] = tensor[block].float() * scale[i, j]
+        expected[name] = out
+    return expected
+
+
+def _fp8_loads(fp8_dir, broken_dir):
+    """Megatron-to-HF tensors of the model loaded from `fp8_dir` at TP 1 and 2, and at TP 2
+    with the scale forgotten or the slice's blocks misaligned; the error of `broken_dir`."""
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+
+    def load(tp, checkpoint=fp8_dir):
+        cpu_backend.init_model_parallel(tensor_parallel=tp, seed=0)
+        model = build_gpt_model(checkpoint, tensor_parallel=tp)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        return {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)}
+
+    def unaligned(self, name, dim, start, stop):
+        # The bug a block-aligned read prevents: the slice alone, its first row taken for a block's first.
+        length, side = self.shape(name)[dim], self.block[dim]
+        start, stop = (0, length) if start is None else (start, stop)
+        scale = self._read_stored(name + hf_weights.SCALE_SUFFIX, dim, start // side, -(-stop // side))
+        return hf_weights.dequantize_fp8_blocks(self._read_stored(name, dim, start, stop), scale, self.block)
+
+    results = {"tp 1": load(1), "tp 2": load(2)}
+    with pytest.raises(ValueError) as error:
+        load(1, broken_dir)
+    results["error"] = str(error.value)
+    dequantize, read = hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized
+    try:
+        hf_weights.dequantize_fp8_blocks = lambda weight, scale, block: weight.float()
+        results["scale forgotten"] = load(2)
+        hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized = dequantize, unaligned
+        results["blocks misaligned"] = load(2)
+    finally:
+        hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized = dequantize, read
+    return to_host(results) if torch.distributed.get_rank() == 0 else None
+
+
+def test_hf_weights_fp8_block_quantized_weights_load_as_dequantized_by_hand_at_tp_1_and_2(tmp_path):
+    source = tiny_model.build_tiny_model(str(tmp_path / "bf16"), "deepseek", **FP8_MODEL_SIZES)
+    fp8_dir = tiny_model.write_fp8_checkpoint(source, str(tmp_path / "fp8"))
+    stored = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    # The published layout: FP8 linear weights with a float32 scale per 128 x 128 block, the rest bf16.
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (5, 2)  # 576 x 192
+    assert stored["model.layers.2.mlp.experts.15.down_proj.weight_scale_inv"].dtype == torch.float32
+    for bf16 in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+                 "model.layers.2.eh_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
+        assert stored[bf16].dtype == torch.bfloat16 and bf16 + "_scale_inv" not in stored
+    broken_dir = tmp_path / "broken"
+    shutil.copytree(fp8_dir, broken_dir)
+    broken = dict(stored)
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    broken[scale] = broken[scale][:1, :1]
+    del broken["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    save_file(broken, str(broken_dir / "model.safetensors"))
+
+    results, _ = run_in_processes(_fp8_loads, world_size=2, args=(fp8_dir, str(broken_dir)))
+    expected = _fp8_dequantized_by_hand(fp8_dir)
+    for layout in ("tp 1", "tp 2"):
+        assert set(results[layout]) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(results[layout][name], tensor), (layout, name)
+    # Quantization moved the weights (so forgetting the scale shows), and within FP8's precision.
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    error = (expected["model.layers.1.self_attn.q_b_proj.weight"] - weights["model.layers.1.self_attn.q_b_proj.weight"])
+    assert 0 < error.abs().max() < 0.1 * weights["model.layers.1.self_attn.q_b_proj.weight"].abs().max()
+    for bug in ("scale forgotten", "blocks misaligned"):
+        wrong = [name for name, tensor in expected.items() if not torch.equal(results[bug][name], tensor)]
+        print(f"{bug}: {len(wrong)} of {len(expected)} tensors differ, e.g. {wrong[:2]}")
+        # q_b_proj's rows 192:384 at TP 2 start half way into a block.
+        assert "model.layers.1.self_attn.q_b_proj.weight" in wrong
+    assert "model.layers.1.self_attn.o_proj.weight" in [name for name, tensor in expected.items()
+                                                        if not torch.equal(results["scale forgotten"][name], tensor)]
+    assert "model.layers.0.self_attn.o_proj.weight_scale_inv: shape (1, 1), expected (2, 1)" in results["error"]
+    assert "model.layers.0.mlp.down_proj.weight: stored as F8_E4M3 without" in results["error"]
+    with pytest.raises(ValueError, match="quant_method='compressed-tensors'.*expected quant_method 'fp8'"):
+        hf_weights.fp8_block_size({"quantization_config": {"quant_method": "compressed-tensors"}})
+    with pytest.raises(ValueError, match=r"weight_block_size=None: expected two positive block sides"):
+        hf_weights.fp8_block_size({"quantization_config": {"quant_method": "fp8"}})
 
 
 def _batch_buggy_positions(batch):
@@ -4127,13 +4342,19 @@ def _train(out, *flags):
     return records, stdout
 
 
-@pytest.mark.parametrize("family,tensor_parallel,expert_parallel,replay", [
-    ("deepseek", 1, 2, "--routing-replay"), ("deepseek", 2, 1, "--routing-replay"),
-    ("glm", 2, 1, "--no-routing-replay")])
-def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_parallel, expert_parallel, replay):
+@pytest.mark.parametrize("family,tensor_parallel,expert_parallel,replay,weights", [
+    ("deepseek", 1, 2, "--routing-replay", "bf16"), ("deepseek", 2, 1, "--routing-replay", "bf16"),
+    ("glm", 2, 1, "--no-routing-replay", "fp8")])
+def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_parallel, expert_parallel, replay, weights):
     from transformers import AutoModelForCausalLM
     out = str(tmp_path / family)
-    records, stdout, _ = _torchrun(out, "--builtin-model", family, "--tp", str(tensor_parallel), "--ep",
+    model = ("--builtin-model", family)
+    if weights == "fp8":
+        # The built-in model block-quantized as DeepSeek publishes FP8: the policy loads it
+        # dequantized, the engines start unquantized with dummy weights and get the policy's.
+        source = tiny_model.build_tiny_model(str(tmp_path / "bf16"), family, **tiny_model.BUILTIN_MODELS[family][1])
+        model = ("--model", tiny_model.write_fp8_checkpoint(source, str(tmp_path / "fp8")))
+    records, stdout, _ = _torchrun(out, *model, "--tp", str(tensor_parallel), "--ep",
                                    str(expert_parallel), replay, "--steps", "3", "--prompts-per-step", "4",
                                    "--eval-every", "3", "--num-speculative-tokens", "1")
     assert [record["step"] for record in records] == [1, 2, 3]
@@ -4151,6 +4372,9 @@ def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_paral
                record["routing_agreement"] > 0.95 for record in records)
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert type(exported).__name__ == tiny_model.builtin_config(family)[1]["architectures"][0]
+    # Never quantized on the way out: the trainer's fp32 tensors, config.json without quantization_config.
+    assert {tensor.dtype for tensor in _final_weights(out).values()} == {torch.float32}
+    assert "quantization_config" not in megatron_model.load_hf_config(os.path.join(out, "final"))
 
 
 # A short run for the end-to-end and fault-tolerance tests: 5 steps, checkpoints at 2, 4, 5,

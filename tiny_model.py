@@ -21,6 +21,8 @@ import argparse
 import inspect
 import json
 import os
+import re
+import shutil
 import string
 
 import torch
@@ -193,8 +195,9 @@ def _attention_weights(config, normal):
                                                  kv_lora),
             "self_attn.o_proj.weight": normal(hidden, heads * config["v_head_dim"]),
         }
-    q_size = heads * config["head_dim"]
-    kv_size = config["num_key_value_heads"] * config["head_dim"]
+    head_dim = config.get("head_dim", hidden // heads)
+    q_size = heads * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
     weights = {
         "self_attn.q_proj.weight": normal(q_size, hidden),
         "self_attn.q_proj.bias": normal(q_size),
@@ -205,8 +208,7 @@ def _attention_weights(config, normal):
         "self_attn.o_proj.weight": normal(hidden, q_size),
     }
     if config.get("use_qk_norm"):
-        weights.update({"self_attn.q_norm.weight": torch.ones(config["head_dim"]),
-                        "self_attn.k_norm.weight": torch.ones(config["head_dim"])})
+        weights.update({"self_attn.q_norm.weight": torch.ones(head_dim), "self_attn.k_norm.weight": torch.ones(head_dim)})
     return weights
 
 
@@ -241,10 +243,15 @@ def decoder_layer_weights(prefix, config, layer, normal):
     return {f"{prefix}.{suffix}": tensor for suffix, tensor in weights.items()}
 
 
+def is_mimo(config):
+    """MiMo's layout (model_type "qwen2" in ours, "mimo" in the published config)."""
+    return config["architectures"][0] == "MiMoForCausalLM"
+
+
 def mtp_layer_prefix(config, mtp_layer):
     """Where MTP layer `mtp_layer` lives: MiMo's `model.mtp_layers.{j}`, DeepSeek's and GLM's
     `model.layers.{num_hidden_layers + j}`."""
-    if config["model_type"] == "qwen2":
+    if is_mimo(config):
         return f"model.mtp_layers.{mtp_layer}"
     return f"model.layers.{config['num_hidden_layers'] + mtp_layer}"
 
@@ -266,7 +273,7 @@ def model_weights(config, seed=0, init_std=0.02):
         weights.update(decoder_layer_weights(prefix, config, config["num_hidden_layers"] + mtp_layer, normal))
         # The projection acts on [hidden, 2 * hidden] inputs: cat(hidden, embedding) in
         # MiMo, cat(embedding, hidden) in DeepSeek and GLM.
-        if config["model_type"] == "qwen2":
+        if is_mimo(config):
             weights.update({f"{prefix}.token_layernorm.weight": torch.ones(hidden),
                             f"{prefix}.hidden_layernorm.weight": torch.ones(hidden),
                             f"{prefix}.input_proj.weight": normal(hidden, 2 * hidden),
@@ -312,16 +319,90 @@ def write_tokenizer(out_dir, max_length):
         json.dump(tokenizer_config(max_length), f, indent=2)
 
 
-def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
-    """Write a tiny checkpoint of `family` ("mimo", "deepseek" or "glm") to `out_dir`; returns the path.
+# ---------------------------------------------------------------------------------------
+# Published configs: each family's config.json as its checkpoint publishes it (every field,
+# as on the Hugging Face Hub), and the same shrunk to a test's size.
+# ---------------------------------------------------------------------------------------
 
-    `sizes` are keywords of the family's config function (`mimo_config`, `deepseek_config`,
-    `glm_config`). Skips the work when `out_dir` already holds a checkpoint written with
-    the same config and seed, so callers can use it as a cache.
-    """
-    if family not in FAMILY_CONFIGS:
-        raise ValueError(f"family={family!r}: expected one of {sorted(FAMILY_CONFIGS)}")
-    config = FAMILY_CONFIGS[family](**sizes)
+MIMO_7B_RL = {  # XiaomiMiMo/MiMo-7B-RL (a Qwen2 trunk; transformers has no "mimo" class)
+    "architectures": ["MiMoForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_mimo.MiMoConfig", "AutoModel": "modeling_mimo.MiMoModel",
+                 "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"},
+    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 32768,
+    "max_window_layers": 36, "model_type": "mimo", "num_attention_heads": 32, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 640000, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151680}
+GLM_45_AIR = {  # zai-org/GLM-4.5-Air: 96 heads of 128 on a hidden size of 4096
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.54.0", "use_cache": True, "use_qk_norm": False,
+    "vocab_size": 151552}
+GLM_46 = {**GLM_45_AIR,  # zai-org/GLM-4.6: GLM-4.5's shape with q/k norms
+          "hidden_size": 5120, "intermediate_size": 12288, "max_position_embeddings": 202752,
+          "moe_intermediate_size": 1536, "n_routed_experts": 160, "routed_scaling_factor": 2.5,
+          "first_k_dense_replace": 3, "num_hidden_layers": 92, "use_qk_norm": True}
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 (R1 and V3.1 publish the same fields)
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "pretraining_tp": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+# name -> (published config, what a test's copy shrinks: widths, layer and expert counts,
+# the vocabulary; every other field stays as published).
+PUBLISHED_CONFIGS = {
+    "mimo-7b-rl": (MIMO_7B_RL, {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+                                "num_key_value_heads": 2, "num_hidden_layers": 2, "max_window_layers": 2}),
+    # heads x head_dim (4 x 128) stays twice the hidden size, as 96 x 128 is 3 x 4096.
+    "glm-4.5-air": (GLM_45_AIR, {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 64,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 16,
+                                 "num_hidden_layers": 2}),
+    "glm-4.6": (GLM_46, {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 64,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 16,
+                         "num_hidden_layers": 2, "first_k_dense_replace": 1}),
+    # Top-8 of 8 groups, 4 of them per token, as published; 2 experts per group.
+    "deepseek-v3": (DEEPSEEK_V3, {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+                                  "q_lora_rank": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                  "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 16,
+                                  "num_hidden_layers": 2, "first_k_dense_replace": 1}),
+}
+
+
+def published_config(name, **changes):
+    """The published config `name` (PUBLISHED_CONFIGS) shrunk, with this tokenizer's vocabulary
+    and special tokens; `changes` on top (a field None is dropped)."""
+    published, shrunk = PUBLISHED_CONFIGS[name]
+    vocab = tokenizer_vocab()
+    config = {**published, **shrunk, "vocab_size": VOCAB_SIZE, "bos_token_id": vocab[BOS_TOKEN],
+              "eos_token_id": vocab[EOS_TOKEN], "pad_token_id": vocab[PAD_TOKEN], **changes}
+    return {field: value for field, value in config.items() if value is not None or field not in changes}
+
+
+def write_checkpoint(out_dir, config, seed=0):
+    """A HF checkpoint of `config` (a family's config.json dict) with `model_weights`' seeded
+    random weights, MTP layers included, and this tokenizer; skipped when `out_dir` holds
+    one of the same config and seed already. Returns `out_dir`."""
     # The tokenizer's config is in the stamp too: a cache written before a change to it
     # (the chat template, say) is rewritten.
     stamp = {"config": config, "tokenizer": tokenizer_config(config["max_position_embeddings"]), "seed": seed}
@@ -340,6 +421,65 @@ def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
     # The stamp goes last: an interrupted write is never mistaken for a finished one.
     with open(stamp_path, "w") as f:
         json.dump(stamp, f, indent=2)
+    return out_dir
+
+
+def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
+    """Write a tiny checkpoint of `family` ("mimo", "deepseek" or "glm") to `out_dir`; returns the path.
+
+    `sizes` are keywords of the family's config function (`mimo_config`, `deepseek_config`,
+    `glm_config`). Skips the work when `out_dir` already holds a checkpoint written with
+    the same config and seed, so callers can use it as a cache.
+    """
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"family={family!r}: expected one of {sorted(FAMILY_CONFIGS)}")
+    config = FAMILY_CONFIGS[family](**sizes)
+    return write_checkpoint(out_dir, config, seed)
+
+
+# DeepSeek-V3's published FP8 checkpoints quantize the linear layers of attention and MLP
+# (experts and shared experts included) and keep the rest in bf16: embedding, output
+# layer, norms, the routers and their bias, and the MTP layer's eh_proj and its copies.
+FP8_QUANTIZED = re.compile(r".*\.(self_attn|mlp|mlp\.shared_experts|mlp\.experts\.\d+)\.[a-z_]+_proj(_with_mqa)?\.weight")
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_fp8_blocks(weight, block=(128, 128)):
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(rows/128), ceil(cols/128)]) in the
+    published layout: each block scaled so its largest magnitude is FP8's largest (448);
+    dequantizing multiplies by scale_inv. Ragged edge blocks are scaled by what they hold."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv
+
+
+def write_fp8_checkpoint(source_dir, out_dir, block=(128, 128)):
+    """An FP8 block-quantized copy of the checkpoint in `source_dir`, as DeepSeek publishes
+    one: `FP8_QUANTIZED` weights as float8_e4m3fn with their `weight_scale_inv`, every other
+    tensor bf16, config.json with DeepSeek-V3's `quantization_config`. Returns `out_dir`."""
+    from safetensors.torch import load_file
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for name, tensor in load_file(os.path.join(source_dir, "model.safetensors")).items():
+        if FP8_QUANTIZED.fullmatch(name):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(tensor, block)
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(torch_dtype="bfloat16", quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(source_dir, name), os.path.join(out_dir, name))
     return out_dir
 
 

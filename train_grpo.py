@@ -26,6 +26,7 @@ acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in O
 import copy
 import dataclasses
 import hashlib
+import json
 import os
 import random
 import signal
@@ -334,7 +335,7 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         mtp_patch.patch_megatron_mtp()
         policy = trainer.build_policy(model_dir, flags.train_config(s))
     with timer("vLLM engines"):
-        engines = rollout.build_engines(model_dir, flags.rollout_config(s), rank)
+        engines = rollout.build_engines(*rollout_model(model_dir, s, rank), rank)
     with timer("checkpoint"):
         start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
     params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
@@ -343,6 +344,23 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
                model_dir, lock, stop, inputs, params, check_params, flags.train_config(s),
                start_seconds=timer.seconds)
+
+
+def rollout_model(model_dir, run_settings, rank):
+    """(directory, RolloutConfig) the engines are built from: the model's own, or for an FP8
+    block-quantized checkpoint a copy of its config without `quantization_config` (in
+    OUT/rollout-model) and dummy weights: the engines hold bf16/fp32 layers and the first
+    push brings the policy's dequantized weights. vLLM's own FP8 rollout is not used."""
+    config = flags.rollout_config(run_settings)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        if not hf_weights.fp8_block_size(json.load(f)):
+            return model_dir, config
+    directory = os.path.join(run_settings.out, "rollout-model")
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        hf_weights.copy_hf_metadata(model_dir, directory)
+    dist.barrier()
+    return directory, dataclasses.replace(config, load_format="dummy")
 
 
 def lock_out(out, rank):
