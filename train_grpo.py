@@ -579,11 +579,23 @@ def finish(run, records, loggers, seconds):
     print(f"wrote {', '.join(written)}, {os.path.join(out, 'final')}", flush=True)
 
 
-if __name__ == "__main__":
-    main(flags.parse_args())
-    # Everything is written, flushed and closed by now. Left to themselves, vLLM's exit hooks
-    # would collect garbage engine by engine and the interpreter would tear down every module:
-    # seconds of a short run's wall, with nothing left to save.
+def exit_now(code):
+    """Ends the process with SystemExit's `code` (None or 0: success; a message: said on
+    stderr, status 1), skipping the interpreter's shutdown. Every output is written,
+    flushed and closed by then, and the checkpoint lock is the kernel's to release; left to
+    themselves, vLLM's exit hooks would collect garbage engine by engine and the interpreter
+    would tear down every module: seconds of a short run's wall, with nothing left to save."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code or 0)
+
+
+if __name__ == "__main__":
+    try:
+        main(flags.parse_args())
+    except SystemExit as stop:
+        exit_now(stop.code)
+    exit_now(0)
