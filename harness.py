@@ -11,6 +11,7 @@ import io
 import multiprocessing
 import os
 import queue
+import sys
 import traceback
 
 import torch
@@ -36,6 +37,14 @@ def _process_entry(fn, args, rank, world_size, master_port, results):
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+    # The result is through the pipe once the queue's feeder thread is joined. The shutdown
+    # the interpreter would do next (vLLM's exit hooks collecting garbage engine by engine,
+    # every module torn down) takes seconds per process and saves nothing.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_in_processes(fn, world_size=1, args=(), env=None, timeout=PROCESS_TIMEOUT_SECONDS):
