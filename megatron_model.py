@@ -134,7 +134,7 @@ def _group_limited_routing(hf_config):
     """(n_group, topk_group) where a token's experts come from its topk_group best expert
     groups, None where every group may serve it (n_group 1, or topk_group = n_group).
 
-    megatron-core 0.16 scores a group by the sum of its top (top-k / topk_group) experts,
+    megatron-core (0.14 - 0.19) scores a group by the sum of its top (top-k / topk_group) experts,
     transformers and vLLM by the sum of its top 2: they choose the same groups only where
     top-k = 2 x topk_group (DeepSeek-V3's 8 and 4). Elsewhere the routers would send a token
     to other experts than the rollout engine's, so such a config is refused by name."""
