@@ -2311,9 +2311,10 @@ def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_chec
     assert tasks.prompt_token_ids(tokenizer, messages) == templated
     # A string prompt: the ids vLLM got for it before prompts were tokenised here.
     assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
-    # The length check counts the templated tokens.
+    # The length check counts the templated tokens, and the longest prompt's are returned.
     example = {"prompt": messages, "answer": "aaa"}
-    tasks.check_prompts([example], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
+    assert tasks.check_prompts([example, {"prompt": "ab", "answer": "a"}], tokenizer, max_len=len(templated) + 3,
+                               max_new_tokens=3) == len(templated)
     with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
         tasks.check_prompts([example], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
     tokenizer.chat_template = None
