@@ -3,11 +3,13 @@ module's own small config.
 
     args = parse_args()                              # the flags as given (None: derived later)
     settings = check_args(args, world_size)          # every problem named at once, or the resolved run
+    settings = rollout_context(settings, hf_config, longest_prompt)  # the engines' context, once tokenized
     trainer.build_policy(model_dir, train_config(settings))
     rollout.build_engines(model_dir, rollout_config(settings), rank)
 
 Every flag is checked here before any process group exists: a bad value, a flag that does
-not fit the model or the layout, a data file or reward that does not load, each named with
+not fit the model or the layout, a model config.json megatron_model cannot build, a data
+file or reward that does not load, each named with
 its value and what is expected (`usage_error`: rank 0 says it, every process exits). The
 resolved settings are an argparse.Namespace with the derived values filled in; only
 train_grpo.py reads it whole (a checkpoint's meta keeps it, so that a resume can say which
@@ -571,8 +573,8 @@ def rollout_context(settings, hf_config, longest_prompt):
     most tokens a request generates (--max-new-tokens; auto's acceptance check) plus the
     draft tokens of the last verify step, at least MIN_MODEL_LEN, capped by the model's
     max_position_embeddings. A published 128k context would ask for KV cache the run never
-    uses. On CPU, where
-    --kv-cache-bytes sizes the cache, a context that does not fit it is a `usage_error`."""
+    uses. On CPU, where --kv-cache-bytes sizes the cache, a context that does not fit it is
+    a `usage_error` (train_grpo asks once the tokenizer loads, before any model)."""
     auto, draft_tokens = draft_plan(settings)
     generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if auto else 0)
     drafts = draft_tokens if settings.mtp_rollout else 0
