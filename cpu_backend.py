@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.fusions import fused_softmax
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random as megatron_random
 
@@ -199,6 +200,18 @@ def _cpu_default_causal_mask(sq):
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    # megatron's, without the pinned host copy of its two chunk ids it sends to the GPU:
+    # this rank's zigzag chunks (r and 2 cp - 1 - r) of the rotary table along seq_dim.
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     for source, destination in zip(*tensor_lists):
         if source is destination:
@@ -225,6 +238,9 @@ def install_cpu_redirects():
       `model_parallel_cuda_manual_seed` which `add`s the tracked seeds.
     - `fused_softmax.get_default_causal_mask` -> the same mask built on the CPU: megatron's
       local `DotProductAttention` with `attention_mask=None` builds it with device="cuda".
+    - `get_pos_emb_on_this_cp_rank` (where rope_utils and the rotary embeddings import it)
+      -> the same slice without a pinned CUDA copy: at CP > 1 YaRN's rotary embedding
+      (DeepSeek's MLA) calls it while it is built.
     - the optimizer's `multi_tensor_scale` fallback (no apex, no Transformer Engine) ->
       one in place: megatron's writes `dst.copy_(src * scale)`, a temporary and two extra
       passes over every gradient when clipping scales them in place (a quarter of the
@@ -243,6 +259,9 @@ def install_cpu_redirects():
     megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
     megatron_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     for module in (clip_grads, megatron_optimizer):
         if module.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _multi_tensor_scale

@@ -3,11 +3,13 @@ module's own small config.
 
     args = parse_args()                              # the flags as given (None: derived later)
     settings = check_args(args, world_size)          # every problem named at once, or the resolved run
+    settings = rollout_context(settings, hf_config, longest_prompt)  # the engines' context, once tokenized
     trainer.build_policy(model_dir, train_config(settings))
     rollout.build_engines(model_dir, rollout_config(settings), rank)
 
 Every flag is checked here before any process group exists: a bad value, a flag that does
-not fit the model or the layout, a data file or reward that does not load, each named with
+not fit the model or the layout, a model config.json megatron_model cannot build, a data
+file or reward that does not load, each named with
 its value and what is expected (`usage_error`: rank 0 says it, every process exits). The
 resolved settings are an argparse.Namespace with the derived values filled in; only
 train_grpo.py reads it whole (a checkpoint's meta keeps it, so that a resume can say which
@@ -35,12 +37,17 @@ import tasks
 import tiny_model
 import trainer
 from megatron_model import (DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config,
-                            transformer_engine_usable, unsupported_fields)
+                            transformer_config, transformer_engine_usable, unsupported_fields)
 
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
 DEFAULT_MAX_POSITIONS = 4096
+# The shortest context the engines get: vLLM renders a chat prompt of its own when it starts
+# (about 14 tokens on the built-in model) and prints a traceback when it does not fit.
+MIN_MODEL_LEN = 256
+# vLLM-CPU's KV cache block in tokens: 128, and 16 for MLA (its decode kernel's only size).
+KV_BLOCK_TOKENS, MLA_KV_BLOCK_TOKENS = 128, 16
 # DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.
 DEFAULT_SAMPLING_ROUNDS = 4
 # What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
@@ -415,8 +422,12 @@ def model_problems(args, hf_config):
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         return [f"--model {args.model!r}: architecture {', '.join(architectures) or '(none in config.json)'} is not "
                 f"one this project builds; expected {' or '.join(SUPPORTED_ARCHITECTURES)}"]
-    # A config.json field the model builder would not honour, before any process group.
+    # A config.json field the model builder would not honour, then what it refuses in the
+    # fields it reads: before any process group.
     problems = [f"--model {args.model!r}: config.json {problem}" for problem in unsupported_fields(hf_config)]
+    problems = problems or config_problems(args, hf_config)
+    if problems:
+        return problems
     experts = hf_config.get("n_routed_experts")
     if args.ep > 1 and not experts:
         problems.append(f"--ep {args.ep}: {where} has no experts; expected --ep 1")
@@ -435,6 +446,21 @@ def model_problems(args, hf_config):
         if kv_heads % size:
             problems.append(f"{flag} {size}: expected a divisor of {where}'s {kv_heads} key/value heads")
     return problems
+
+
+def config_problems(args, hf_config):
+    """What megatron_model refuses in the model's config.json itself (a rope_scaling type it
+    does not build, a routing it cannot match, a missing field), found by building the
+    Megatron config once here, before any model: the layout's own checks are the flags'."""
+    where = f"{args.model}/config.json" if args.model else model_description(args)
+    try:
+        transformer_config(hf_config)
+    except KeyError as error:
+        return [f"{where}: no {error.args[0]!r} field; expected every field of a "
+                f"{' or '.join(SUPPORTED_ARCHITECTURES)} config"]
+    except (ValueError, TypeError) as error:
+        return [f"{where}: {error}"]
+    return []
 
 
 def shared_prefix_obstacle(args, hf_config):
@@ -525,6 +551,50 @@ def refuse_changed_inputs(resume_dir, run_settings, digests):
 
 
 # ---------------------------------------------------------------------------------------
+# The rollout's context, once the prompts are tokenized
+# ---------------------------------------------------------------------------------------
+
+def kv_cache_bytes_per_token(settings, hf_config):
+    """Bytes of vLLM KV cache one token of context takes in one rank's engine, as vLLM sizes
+    it: per attention layer (the MTP layers too where the engine drafts) keys and values of
+    this rank's KV heads (kv heads / --rollout-tp, at least one) x head dim x dtype bytes;
+    MLA (DeepSeek) caches one latent of kv_lora_rank + qk_rope_head_dim instead, whole on
+    every rank (vLLM's MLAAttentionSpec)."""
+    layers = hf_config["num_hidden_layers"] + (hf_config.get("num_nextn_predict_layers", 0)
+                                               if settings.mtp_rollout else 0)
+    if "kv_lora_rank" in hf_config:
+        per_layer = hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"]
+    else:
+        heads = hf_config["num_attention_heads"]
+        kv_heads = max(1, hf_config.get("num_key_value_heads", heads) // settings.rollout_tp)
+        per_layer = 2 * kv_heads * hf_config.get("head_dim", hf_config["hidden_size"] // heads)
+    return layers * per_layer * (2 if settings.bf16 else 4)
+
+
+def rollout_context(settings, hf_config, longest_prompt):
+    """The settings with the engines' max_model_len: the longest prompt (in tokens) plus the
+    most tokens a request generates (--max-new-tokens; auto's acceptance check) plus the
+    draft tokens of the last verify step, at least MIN_MODEL_LEN, capped by the model's
+    max_position_embeddings. A published 128k context would ask for KV cache the run never
+    uses. On CPU, where --kv-cache-bytes sizes the cache, a context that does not fit it is
+    a `usage_error` (train_grpo asks once the tokenizer loads, before any model)."""
+    auto, draft_tokens = draft_plan(settings)
+    generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if auto else 0)
+    drafts = draft_tokens if settings.mtp_rollout else 0
+    max_model_len = min(max(longest_prompt + generated + drafts, MIN_MODEL_LEN), settings.max_positions)
+    # vLLM holds a request's context in whole blocks, plus one block it keeps empty.
+    block = MLA_KV_BLOCK_TOKENS if "kv_lora_rank" in hf_config else KV_BLOCK_TOKENS
+    per_token = kv_cache_bytes_per_token(settings, hf_config)
+    needed = (-(-max_model_len // block) + 1) * block * per_token
+    if not torch.cuda.is_available() and needed > settings.kv_cache_bytes:
+        raise usage_error(f"--kv-cache-bytes {settings.kv_cache_bytes}: the rollout's context of {max_model_len} "
+                          f"tokens (the longest prompt, {longest_prompt}, plus {generated} generated and {drafts} "
+                          f"drafted) needs {needed} bytes of KV cache ({per_token} per token); expected "
+                          f"--kv-cache-bytes {needed} or more, or shorter prompts or --max-new-tokens")
+    return argparse.Namespace(**{**vars(settings), "max_model_len": max_model_len})
+
+
+# ---------------------------------------------------------------------------------------
 # Each module's config from the resolved settings
 # ---------------------------------------------------------------------------------------
 
@@ -552,7 +622,7 @@ def rollout_config(settings):
     auto, draft_tokens = draft_plan(settings)
     return rollout.RolloutConfig(
         dtype="bfloat16" if settings.bf16 else "float32", rollout_tp=settings.rollout_tp, seed=settings.seed,
-        temperature=settings.temperature, max_model_len=settings.max_positions, mtp_rollout=settings.mtp_rollout,
+        temperature=settings.temperature, max_model_len=settings.max_model_len, mtp_rollout=settings.mtp_rollout,
         auto_draft=settings.mtp_rollout and auto, draft_tokens=draft_tokens,
         check_draft_every=settings.check_draft_every, spec_overrides=settings.spec_config,
         gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_bytes=settings.kv_cache_bytes)

@@ -8,12 +8,15 @@ the tests and the benchmarks. Each family's config maps one to one:
     MiMo      (Qwen2) grouped-query attention with bias on q/k/v only.
     DeepSeek  multi-latent attention (q/kv low-rank projections with their norms, a
               rotary part of the key shared by the heads, value heads narrower than
-              query heads); the first `first_k_dense_replace` layers dense, the rest MoE.
+              query heads), plain RoPE or the published YaRN `rope_scaling` (every
+              field, mscale_all_dim's softmax scale included); the first
+              `first_k_dense_replace` layers dense, the rest MoE.
     GLM-4.5   grouped-query attention with q/k/v bias, RoPE on `partial_rotary_factor`
               of each head, optional q/k norms; dense first layers, then MoE.
     MoE       routed experts (SequentialMLP) plus shared experts, sigmoid scores, the
               `e_score_correction_bias` used to pick experts (megatron's expert bias),
-              group-limited top-k (`n_group`, `topk_group`), normalised top-k weights
+              group-limited top-k (`n_group`, `topk_group`; where top-k = 2 x topk_group,
+              the one case megatron-core groups as transformers does), normalised top-k weights
               times `routed_scaling_factor`. The MTP layer is an MoE layer, as in both.
 
     model = build_gpt_model("runs/tiny-mimo", mtp=True)
@@ -50,6 +53,9 @@ FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm")))
 MOE_TOKEN_DISPATCHER = "allgather"
 # MLA's down projections, whole on every tensor-parallel rank under sequence parallelism.
 MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
+# A DeepSeek config's YaRN rope_scaling field -> MLATransformerConfig's.
+YARN_FIELDS = {"factor": "rotary_scaling_factor", "original_max_position_embeddings": "original_max_position_embeddings",
+               "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
 
 
 def load_hf_config(model):
@@ -83,7 +89,7 @@ READ_FIELDS = {
     "tie_word_embeddings", "num_nextn_predict_layers", "partial_rotary_factor", "use_qk_norm", "attention_bias",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
     "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor", "n_group",
-    "topk_group", "first_k_dense_replace", "rope_scaling", "quantization_config"}
+    "topk_group", "first_k_dense_replace", "rope_scaling", "rope_parameters", "quantization_config"}
 # Metadata, inference settings (caching, expert placement, the sliding window's extent when
 # it is off) and pretraining's load-balancing loss, which RL leaves off (see the docstring).
 INERT_FIELDS = {
@@ -102,8 +108,6 @@ FIELD_VALUES = {
     "moe_layer_freq": ((1,), "every layer from first_k_dense_replace on an MoE layer"),
     "rope_interleave": ((True,), "DeepSeek's interleaved rotary layout"),
 }
-# rope_scaling types built per family (DeepSeek's YaRN arrives with megatron's MLA yarn).
-ROPE_SCALING_TYPES = {"mimo": (), "deepseek": (), "glm": ()}
 # quantization_config fields of the FP8 block-quantized checkpoints hf_weights.py dequantizes.
 FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 
@@ -111,7 +115,6 @@ FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_sche
 def unsupported_fields(hf_config):
     """Every config.json field this builder would not honour, one line each naming the field,
     its value and what is supported; [] when it builds the config as it says."""
-    family = model_family(hf_config)
     problems = [f"{field}={hf_config[field]!r}: not a field this project reads or knows to be inert; expected the "
                 f"fields of the published {', '.join(SUPPORTED_ARCHITECTURES)} configs"
                 for field in sorted(set(hf_config) - READ_FIELDS - INERT_FIELDS - set(FIELD_VALUES))
@@ -120,11 +123,6 @@ def unsupported_fields(hf_config):
         if field in hf_config and hf_config[field] not in values:
             problems.append(f"{field}={hf_config[field]!r}: this project builds {meaning}; expected "
                             f"{' or '.join(repr(value) for value in values)}")
-    scaling = hf_config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if scaling and kind not in ("default", *ROPE_SCALING_TYPES[family]):
-        problems.append(f"rope_scaling type {kind!r}: the {family} path builds "
-                        f"{', '.join(ROPE_SCALING_TYPES[family]) or 'plain RoPE'}; expected rope_scaling null")
     quantization = hf_config.get("quantization_config") or {}
     for field, expected in FP8_BLOCK_QUANTIZATION.items():
         if quantization and quantization.get(field, expected) != expected:
@@ -140,6 +138,80 @@ def refuse_unsupported_fields(hf_config):
         raise ValueError("config.json has fields this project does not implement:\n  " + "\n  ".join(problems))
 
 
+def rope_settings(hf_config):
+    """(rope_theta, YaRN fields or None) of a HF config: config.json's `rope_theta` and
+    `rope_scaling`, or `rope_parameters` as transformers 5 writes them. None is plain RoPE;
+    YaRN's fields are MLATransformerConfig's (`_yarn_fields`). ValueError names a scaling
+    type or field this project does not build."""
+    scaling = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
+    nested_theta = scaling.pop("rope_theta", 10000)
+    theta = hf_config.get("rope_theta", nested_theta)
+    # transformers 5 copies partial_rotary_factor (GLM's) in beside the top-level one it reads.
+    if scaling.get("partial_rotary_factor") == hf_config.get("partial_rotary_factor", 1.0):
+        scaling.pop("partial_rotary_factor", None)
+    # Published configs name the type "type" (DeepSeek-V3's), transformers 5 "rope_type", or both.
+    kinds = {scaling.pop(key) for key in ("type", "rope_type") if key in scaling}
+    kind = kinds.pop() if len(kinds) == 1 else None if not kinds else sorted(kinds)
+    if kind in (None, "default") and not scaling:
+        return theta, None
+    if kind != "yarn":
+        raise ValueError(f"rope_scaling type {kind!r}: not one this project builds; expected 'yarn' (DeepSeek "
+                         "family only) or rope_scaling null (plain RoPE)")
+    return theta, _yarn_fields(scaling, hf_config)
+
+
+def _yarn_fields(scaling, hf_config):
+    """MLATransformerConfig's YaRN fields for a DeepSeek config's rope_scaling (its type
+    taken off). A field left out takes transformers' (and vLLM's) default."""
+    unknown = sorted(set(scaling) - set(YARN_FIELDS) - {"truncate"})
+    if unknown:
+        raise ValueError(f"rope_scaling field(s) {', '.join(unknown)}: not part of the YaRN this project builds; "
+                         f"expected only {', '.join(YARN_FIELDS)}")
+    if scaling.get("truncate", True) is not True:
+        raise ValueError(f"rope_scaling truncate={scaling['truncate']!r}: megatron-core and vLLM round YaRN's "
+                         "correction range to whole dimensions; expected truncate true or absent")
+    fields = {"factor": None, "original_max_position_embeddings": hf_config.get("max_position_embeddings"),
+              "beta_fast": 32, "beta_slow": 1, **scaling}
+    for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+        if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)) or fields[name] <= 0:
+            raise ValueError(f"rope_scaling {name}={fields[name]!r}: expected a positive number")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    # The attention factor on cos/sin: transformers takes mscale / mscale_all_dim's ratio
+    # only when both are set (else mscale 1, mscale_all_dim 0), vLLM and megatron-core
+    # always (defaults 1 and 0). They agree on both set, or mscale_all_dim unset and mscale 1.
+    if not (mscale and mscale_all_dim) and (mscale_all_dim or mscale not in (None, 1)):
+        raise ValueError(f"rope_scaling mscale={mscale!r}, mscale_all_dim={mscale_all_dim!r}: transformers and "
+                         "vLLM scale YaRN's attention differently for this pair; expected both set (DeepSeek-V3: "
+                         "1.0 and 1.0), or mscale_all_dim unset and mscale 1 or unset")
+    fields.update(mscale=float(mscale or 1.0), mscale_all_dim=float(mscale_all_dim or 0.0))
+    # mscale_all_dim also multiplies the softmax scale by yarn_get_mscale(factor,
+    # mscale_all_dim)^2 in all three (megatron-core's MLA reads it from this config).
+    return {"rope_type": "yarn", **{YARN_FIELDS[name]: value for name, value in fields.items() if name != "truncate"}}
+
+
+def _group_limited_routing(hf_config):
+    """(n_group, topk_group) where a token's experts come from its topk_group best expert
+    groups, None where every group may serve it (n_group 1, or topk_group = n_group).
+
+    megatron-core (0.14 - 0.19) scores a group by the sum of its top (top-k / topk_group) experts,
+    transformers and vLLM by the sum of its top 2: they choose the same groups only where
+    top-k = 2 x topk_group (DeepSeek-V3's 8 and 4). Elsewhere the routers would send a token
+    to other experts than the rollout engine's, so such a config is refused by name."""
+    num_groups, groups_per_token = hf_config.get("n_group") or 1, hf_config.get("topk_group") or 1
+    top_k = hf_config["num_experts_per_tok"]
+    if groups_per_token > num_groups:
+        raise ValueError(f"topk_group={groups_per_token}: a token picks among n_group={num_groups} expert groups; "
+                         f"expected topk_group <= n_group")
+    if groups_per_token == num_groups:
+        return None
+    if top_k != 2 * groups_per_token:
+        raise ValueError(f"n_group={num_groups}, topk_group={groups_per_token}, num_experts_per_tok={top_k}: "
+                         f"megatron-core scores each expert group by its top num_experts_per_tok / topk_group "
+                         f"experts, transformers and vLLM by their top 2; expected num_experts_per_tok = 2 x "
+                         f"topk_group, or topk_group = n_group")
+    return num_groups, groups_per_token
+
+
 def _moe_fields(hf_config, expert_parallel):
     """TransformerConfig fields of DeepSeek-V3's and GLM-4.5's MoE layers."""
     num_experts = hf_config["n_routed_experts"]
@@ -150,7 +222,7 @@ def _moe_fields(hf_config, expert_parallel):
                          f"{hf_config.get('norm_topk_prob')}: megatron's sigmoid router normalises the top-k "
                          "weights; expected scoring_func 'sigmoid' and norm_topk_prob true")
     num_layers, num_dense = hf_config["num_hidden_layers"], hf_config.get("first_k_dense_replace", 0)
-    num_groups = hf_config.get("n_group", 1)
+    grouping = _group_limited_routing(hf_config)
     return {
         "num_moe_experts": num_experts,
         "moe_ffn_hidden_size": hf_config["moe_intermediate_size"],
@@ -161,8 +233,8 @@ def _moe_fields(hf_config, expert_parallel):
         "moe_router_enable_expert_bias": True,
         "moe_router_bias_update_rate": 0.0,
         "moe_router_topk_scaling_factor": hf_config.get("routed_scaling_factor", 1.0),
-        "moe_router_num_groups": num_groups if num_groups > 1 else None,
-        "moe_router_group_topk": hf_config.get("topk_group") if num_groups > 1 else None,
+        "moe_router_num_groups": grouping and grouping[0],
+        "moe_router_group_topk": grouping and grouping[1],
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
         "moe_router_dtype": "fp32",
@@ -180,14 +252,15 @@ def _attention_fields(hf_config, family, tensor_parallel):
     if family == "deepseek":
         if num_heads % tensor_parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide num_attention_heads={num_heads}")
-        if hf_config.get("rope_scaling"):
-            raise ValueError(f"rope_scaling={hf_config['rope_scaling']!r}: the DeepSeek path builds plain RoPE; "
-                             "expected rope_scaling null")
+        theta, yarn = rope_settings(hf_config)
         return {"multi_latent_attention": True, "num_query_groups": num_heads, "q_lora_rank": hf_config["q_lora_rank"],
                 "kv_lora_rank": hf_config["kv_lora_rank"], "qk_head_dim": hf_config["qk_nope_head_dim"],
                 "qk_pos_emb_head_dim": hf_config["qk_rope_head_dim"], "v_head_dim": hf_config["v_head_dim"],
-                "kv_channels": hf_config["v_head_dim"], "rope_type": "rope", "qk_layernorm": True,
-                "rotary_base": hf_config.get("rope_theta", 10000), "add_qkv_bias": False}
+                "kv_channels": hf_config["v_head_dim"], "qk_layernorm": True, "rotary_base": theta,
+                "add_qkv_bias": False, **(yarn or {"rope_type": "rope"})}
+    if rope_settings(hf_config)[1]:
+        raise ValueError(f"rope_scaling type 'yarn': the {family} path builds plain RoPE (YaRN is built for the "
+                         "DeepSeek family); expected rope_scaling null")
     num_kv_heads = hf_config.get("num_key_value_heads", num_heads)
     # megatron-core splits whole query groups across tensor-parallel ranks; with fewer KV
     # heads than ranks some releases build the model anyway and produce garbage gradients.
@@ -425,7 +498,7 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
         max_sequence_length=hf_config.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
         rotary_percent=hf_config.get("partial_rotary_factor", 1.0),
-        rotary_base=int(hf_config.get("rope_theta", 10000)),
+        rotary_base=int(rope_settings(hf_config)[0]),
         share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False),
         mtp_block_spec=mtp_block_spec,
     )

@@ -68,7 +68,7 @@ class RolloutConfig:
     rollout_tp: int = 1                  # vLLM tensor parallel size: consecutive ranks form one engine
     seed: int = 0                        # each engine's sampling seeds come from it, its step and its rank
     temperature: float = 1.0             # the rollout's; log-probs are then the tempered distribution's
-    max_model_len: int = 4096            # the model's max_position_embeddings
+    max_model_len: int = 4096            # longest prompt + generated, <= max_position_embeddings
     mtp_rollout: bool = True             # draft with the model's own MTP head
     auto_draft: bool = True              # k measured, not guessed: the fastest k depends on the batch
     draft_tokens: int = 3                # the fixed k, or the deepest k auto tries (MTP heads: 1-3 pay)

