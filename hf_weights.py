@@ -655,17 +655,24 @@ def copy_hf_metadata(source_dir, out_dir):
     `quantization_config`: the tensors written beside it are the trainer's (bf16 or fp32),
     never FP8. vLLM built from such a copy creates unquantized layers (train_grpo's engines
     for an FP8 checkpoint: load_format "dummy", then Megatron's dequantized weights pushed)."""
-    for file_name in HF_METADATA_FILES:
-        source = os.path.join(source_dir, file_name)
-        if os.path.exists(source):
-            shutil.copyfile(source, os.path.join(out_dir, file_name))
-    config_path = os.path.join(out_dir, "config.json")
+    config_path = os.path.join(source_dir, "config.json")
+    config = {}
     if os.path.exists(config_path):
         with open(config_path) as f:
             config = json.load(f)
-        if config.pop("quantization_config", None) is not None:
-            with open(config_path, "w") as f:
-                json.dump(config, f, indent=2)
+    # The remote code auto_map names (MiMo's configuration_mimo.py, ...): without it, a
+    # published config with a model_type only that code defines does not load.
+    # A reference is "module.Class", "repo--module.Class", or a list of them (tokenizers).
+    references = [reference for value in config.get("auto_map", {}).values()
+                  for reference in (value if isinstance(value, list) else [value]) if reference]
+    remote_code = {reference.split("--")[-1].rsplit(".", 1)[0] + ".py" for reference in references}
+    for file_name in (*HF_METADATA_FILES, *sorted(remote_code)):
+        source = os.path.join(source_dir, file_name)
+        if os.path.exists(source):
+            shutil.copyfile(source, os.path.join(out_dir, file_name))
+    if config.pop("quantization_config", None) is not None:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def _publish(staging, out_dir):

@@ -4543,36 +4543,55 @@ def _train(out, *flags):
     return records, stdout
 
 
-@pytest.mark.parametrize("family,tensor_parallel,expert_parallel,replay,weights", [
-    ("deepseek", 1, 2, "--routing-replay", "bf16"), ("deepseek", 2, 1, "--routing-replay", "bf16"),
-    ("glm", 2, 1, "--no-routing-replay", "fp8")])
-def test_train_grpo_moe_families_train_end_to_end(tmp_path, family, tensor_parallel, expert_parallel, replay, weights):
-    from transformers import AutoModelForCausalLM
-    out = str(tmp_path / family)
-    model = ("--builtin-model", family)
+def _e2e_model_flags(model, weights, directory):
+    """The flags naming `model` for a run: a built-in, or a published config (shrunk, seeded
+    random weights); `weights` "fp8": block-quantized as DeepSeek publishes FP8, the policy
+    loading it dequantized, the engines starting with dummy weights and getting the policy's."""
+    if model in tiny_model.BUILTIN_MODELS and weights != "fp8":
+        return ("--builtin-model", model)
+    if model in tiny_model.BUILTIN_MODELS:
+        source = tiny_model.build_tiny_model(str(directory / "bf16"), model, **tiny_model.BUILTIN_MODELS[model][1])
+    else:
+        source = tiny_model.write_checkpoint(str(directory / "bf16"), _published_test_config(model))
     if weights == "fp8":
-        # The built-in model block-quantized as DeepSeek publishes FP8: the policy loads it
-        # dequantized, the engines start unquantized with dummy weights and get the policy's.
-        source = tiny_model.build_tiny_model(str(tmp_path / "bf16"), family, **tiny_model.BUILTIN_MODELS[family][1])
-        model = ("--model", tiny_model.write_fp8_checkpoint(source, str(tmp_path / "fp8")))
-    records, stdout, _ = _torchrun(out, *model, "--tp", str(tensor_parallel), "--ep",
-                                   str(expert_parallel), replay, "--steps", "3", "--prompts-per-step", "4",
-                                   "--eval-every", "3", "--num-speculative-tokens", "1")
-    assert [record["step"] for record in records] == [1, 2, 3]
+        source = tiny_model.write_fp8_checkpoint(source, str(directory / "fp8"))
+    return ("--model", source)
+
+
+# Each published config (shrunk) and the built-in DeepSeek under TP 2 (MLA with sequence
+# parallelism): 10 steps drafting with the MTP layer, over EP 2 or TP 2, replay on and off.
+E2E_MODELS = [("deepseek-v3", 1, 2, "--routing-replay", "fp8"), ("deepseek", 2, 1, "--routing-replay", "bf16"),
+              ("glm-4.5-air", 2, 1, "--no-routing-replay", "bf16"), ("glm-4.6", 1, 2, "--routing-replay", "bf16"),
+              ("mimo-7b-rl", 2, 1, None, "bf16")]
+
+
+@pytest.mark.parametrize("model,tensor_parallel,expert_parallel,replay,weights", E2E_MODELS)
+def test_train_grpo_published_configs_and_moe_families_train_with_drafting(tmp_path, model, tensor_parallel,
+                                                                           expert_parallel, replay, weights):
+    import transformers
+    out, moe = str(tmp_path / "run"), model != "mimo-7b-rl"
+    records, stdout, _ = _torchrun(out, *_e2e_model_flags(model, weights, tmp_path), "--tp", str(tensor_parallel),
+                                   "--ep", str(expert_parallel), *([replay] if replay else []), "--steps", "10",
+                                   "--prompts-per-step", "4", "--eval-every", "10", "--num-speculative-tokens", "1")
+    assert [record["step"] for record in records] == list(range(1, 11))
     assert all(math.isfinite(record["total_loss"]) and math.isfinite(record["mtp_loss"]) for record in records)
-    # Under TP 2 (sequence parallel) each rank routes, and replays, its slice of the pack:
-    # the wrong slice's experts would put this at 1e-2.
-    assert max(record["logprob_mismatch_max"] for record in records) < TRAIN_MISMATCH_BOUND
-    # Every rollout drafted with the MoE MTP layer, and its acceptance was measured.
+    # vLLM after each push gives Megatron's log-probs (fp32; measured at most 1.9e-6). Under TP 2
+    # (sequence parallel) each rank routes, and replays, its slice of the pack: the wrong
+    # slice's experts would put this at 1e-2.
+    assert max(record["logprob_mismatch_max"] for record in records) < 1e-5
+    # Every rollout drafted with the MTP layer, and its acceptance was measured.
     assert all(record["draft_tokens"] > 0 and record["acceptance_rate"] is not None for record in records)
     layout = stdout.splitlines()[1]
     assert f"tp {tensor_parallel} cp 1 dp {2 // tensor_parallel}" in layout
     assert f"ep {expert_parallel}" in layout if expert_parallel > 1 else " ep " not in layout
     # Without replay the share of tokens Megatron routes as vLLM did; with replay it is vLLM's.
-    assert all((record["routing_agreement"] is None) if replay == "--routing-replay" else
+    assert all((record["routing_agreement"] is None) if replay != "--no-routing-replay" else
                record["routing_agreement"] > 0.95 for record in records)
-    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
-    assert type(exported).__name__ == tiny_model.builtin_config(family)[1]["architectures"][0]
+    # final/ loads in transformers' own class (MiMo's "mimo" is its remote code's: a Qwen2 trunk).
+    model_class = transformers.Qwen2ForCausalLM if not moe else transformers.AutoModelForCausalLM
+    exported = model_class.from_pretrained(os.path.join(out, "final"))
+    assert type(exported).__name__ == ("Qwen2ForCausalLM" if not moe else megatron_model.load_hf_config(
+        os.path.join(out, "final"))["architectures"][0])
     # Never quantized on the way out: the trainer's fp32 tensors, config.json without quantization_config.
     assert {tensor.dtype for tensor in _final_weights(out).values()} == {torch.float32}
     assert "quantization_config" not in megatron_model.load_hf_config(os.path.join(out, "final"))

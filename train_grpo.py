@@ -325,7 +325,8 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         model_dir = s.model or broadcast(write_builtin_model(s.builtin_model) if rank == 0 else None)
         # The one tokenizer of prompts and answers (vLLM loads the same, through transformers).
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # Never the checkpoint's remote code (MiMo's config names some): its tokenizer files suffice.
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         # The engines' context is the run's, not the model's (a published 128k one would
         # ask for KV cache the run never uses): refused here when it does not fit.
         longest = (refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
@@ -351,18 +352,28 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
 
 
 def rollout_model(model_dir, run_settings, rank):
-    """(directory, RolloutConfig) the engines are built from: the model's own, or for an FP8
-    block-quantized checkpoint a copy of its config without `quantization_config` (in
-    OUT/rollout-model) and dummy weights: the engines hold bf16/fp32 layers and the first
-    push brings the policy's dequantized weights. vLLM's own FP8 rollout is not used."""
+    """(directory, RolloutConfig) the engines are built from: the model's own, or a copy of its
+    config and tokenizer (in OUT/rollout-model) with dummy weights, the first push bringing
+    the policy's. The copy is for what vLLM cannot read as published: an FP8 block-quantized
+    checkpoint (its config without `quantization_config`: the engines hold bf16/fp32 layers,
+    the policy's weights dequantized; vLLM's own FP8 rollout is not used), and MiMo's
+    `model_type` "mimo", which only its remote code defines (a Qwen2 trunk: "qwen2")."""
     config = flags.rollout_config(run_settings)
     with open(os.path.join(model_dir, "config.json")) as f:
-        if not hf_weights.fp8_block_size(json.load(f)):
-            return model_dir, config
+        hf_config = json.load(f)
+    renamed = hf_config.get("model_type") == "mimo"
+    if not hf_weights.fp8_block_size(hf_config) and not renamed:
+        return model_dir, config
     directory = os.path.join(run_settings.out, "rollout-model")
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         hf_weights.copy_hf_metadata(model_dir, directory)
+        if renamed:
+            with open(os.path.join(directory, "config.json")) as f:
+                copied = json.load(f)
+            copied.pop("auto_map", None)
+            with open(os.path.join(directory, "config.json"), "w") as f:
+                json.dump({**copied, "model_type": "qwen2"}, f, indent=2)
     dist.barrier()
     return directory, dataclasses.replace(config, load_format="dummy")
 
