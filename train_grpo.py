@@ -603,6 +603,10 @@ def exit_now(code):
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
+    if code and os.environ.get("RANK", "0") != "0":
+        # Rank 0 alone says why a run stopped, maybe a moment later: torchrun would stop it,
+        # unsaid, as soon as another rank is gone. The slow way out leaves it that moment.
+        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
