@@ -24,7 +24,14 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def shared_memory_names():
+    """The names in /dev/shm (empty where there is none): vLLM's CPU engines over several
+    ranks share memory there that only their process's exit unlinks."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def _process_entry(fn, args, rank, world_size, master_port, results):
+    shared_before = shared_memory_names()
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
     # Two cores shared by world_size processes: more threads only contend.
@@ -39,9 +46,12 @@ def _process_entry(fn, args, rank, world_size, master_port, results):
         results.put((rank, "error", traceback.format_exc()))
     # The result is through the pipe once the queue's feeder thread is joined. The shutdown
     # the interpreter would do next (vLLM's exit hooks collecting garbage engine by engine,
-    # every module torn down) takes seconds per process and saves nothing.
+    # every module torn down) takes seconds per process and saves nothing, unless shared
+    # memory appeared meanwhile (this rank's or another's): its destructors unlink that.
     results.close()
     results.join_thread()
+    if shared_memory_names() - shared_before:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -58,7 +58,7 @@ import train_grpo
 import trainer
 import vllm_sync
 from harness import (PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, requires_cuda,
-                     run_in_processes, to_host)
+                     run_in_processes, shared_memory_names, to_host)
 from mtp_matrix import MTP_BEHAVIOURS, MTP_MATRIX_PATH, MTP_RELATIVE_TOLERANCE, MTP_RELEASES, MTP_UPSTREAM_BROKEN
 from spec_config import SpecDecodeMeter, build_mtp_speculative_config
 
@@ -2921,7 +2921,11 @@ def test_hf_weights_round_trip_is_bit_exact_at_tp1_and_tp2_and_tp1_weights_feed_
     shutil.copyfile(os.path.join(tiny_checkpoint, "config.json"), bad_checkpoint / "config.json")
     save_file(bad, str(bad_checkpoint / "model.safetensors"))
 
+    shared_before = shared_memory_names()
     ranks = run_in_processes(_round_trip, world_size=2, args=(tiny_checkpoint, str(bad_checkpoint)), env=VLLM_ENV)
+    # The TP=2 engine's shared memory left with its processes: a process that skipped its
+    # destructors would leave it behind, and the next TP=2 engine here would not start (EEXIST).
+    assert not [name for name in shared_memory_names() - shared_before if "cpushm" in name]
     for result in (ranks[0][1], ranks[0][2], ranks[1][1], ranks[1][2]):
         assert set(result["exported"]) == set(original)
         for name, tensor in original.items():

@@ -35,6 +35,8 @@ import time
 
 # The process's start: what the imports below and the run's start cost is reported from it.
 IMPORTS_STARTED = time.perf_counter()
+# /dev/shm before this process made anything: see exit_now.
+SHARED_MEMORY_BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 import run_log  # noqa: E402
 
@@ -606,6 +608,10 @@ def exit_now(code):
     if code and os.environ.get("RANK", "0") != "0":
         # Rank 0 alone says why a run stopped, maybe a moment later: torchrun would stop it,
         # unsaid, as soon as another rank is gone. The slow way out leaves it that moment.
+        sys.exit(code)
+    if os.path.isdir("/dev/shm") and set(os.listdir("/dev/shm")) - SHARED_MEMORY_BEFORE:
+        # vLLM's CPU engines over several ranks (--rollout-tp) share memory there that only
+        # their destructors unlink; left behind, it would stop the next run's engines.
         sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
