@@ -383,8 +383,9 @@ def test_megatron_model_group_limited_routing_picks_transformers_experts_or_is_r
     assert (config.moe_router_num_groups, config.moe_router_group_topk) == (None, None)
 
 
-def _rng_tracker_forks(seed):
+def _rng_tracker_forks(seeds):
     from megatron.core import tensor_parallel
+    seed = seeds[int(os.environ["RANK"])]
     cpu_backend.init_distributed()
     cpu_backend.init_model_parallel(seed=seed)
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -404,9 +405,8 @@ def _rng_tracker_forks(seed):
 
 
 def test_cpu_backend_rng_tracker_is_reproducible_and_leaves_default_generator_alone():
-    first, = run_in_processes(_rng_tracker_forks, args=(7,))
-    again, = run_in_processes(_rng_tracker_forks, args=(7,))
-    other_seed, = run_in_processes(_rng_tracker_forks, args=(8,))
+    # Three processes side by side (data-parallel ranks: the tracker's seed ignores the rank).
+    first, again, other_seed = run_in_processes(_rng_tracker_forks, world_size=3, args=((7, 7, 8),))
     assert first["tracker"] == "CpuRNGStatesTracker"
     # Same seed, same sequence of masks; consecutive forks continue the tracked stream.
     assert torch.equal(first["masks"][0], again["masks"][0]) and torch.equal(first["masks"][1], again["masks"][1])
@@ -4052,12 +4052,12 @@ def _published_layouts(checkpoints):
     cpu_backend.init_distributed()
     input_ids, seqlens, loss_mask, _ = _forward_batch()
     results = {}
-    for name, checkpoint in checkpoints.items():
-        expected = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for name, model_dir in checkpoints.items():
+        expected = load_file(os.path.join(model_dir, "model.safetensors"))
         for tp in (1, 2):
             cpu_backend.init_model_parallel(tensor_parallel=tp, seed=0)
-            model = build_gpt_model(checkpoint, tensor_parallel=tp)
-            hf_weights.load_hf_into_megatron(model, checkpoint)
+            model = build_gpt_model(model_dir, tensor_parallel=tp)
+            hf_weights.load_hf_into_megatron(model, model_dir)
             round_trip = dict(hf_weights.megatron_to_hf(model))
             with torch.no_grad():
                 out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, mtp_train=True,
@@ -4067,7 +4067,7 @@ def _published_layouts(checkpoints):
                 "logprobs": out.batch.unpack(out.logprobs, cp_group=None), "loss_mask": out.batch.unpack(out.loss_mask),
                 "mtp_loss": out.mtp_loss.detach().clone()}
         if torch.distributed.get_rank() == 0:
-            results[name, "transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=0.7)
+            results[name, "transformers"] = _transformers_logprobs(model_dir, input_ids, seqlens, temperature=0.7)
     return to_host(results)
 
 
@@ -4547,34 +4547,26 @@ def _train(out, *flags):
     return records, stdout
 
 
-def _e2e_model_flags(model, weights, directory):
-    """The flags naming `model` for a run: a built-in, or a published config (shrunk, seeded
-    random weights); `weights` "fp8": block-quantized as DeepSeek publishes FP8, the policy
-    loading it dequantized, the engines starting with dummy weights and getting the policy's."""
-    if model in tiny_model.BUILTIN_MODELS and weights != "fp8":
-        return ("--builtin-model", model)
-    if model in tiny_model.BUILTIN_MODELS:
-        source = tiny_model.build_tiny_model(str(directory / "bf16"), model, **tiny_model.BUILTIN_MODELS[model][1])
-    else:
-        source = tiny_model.write_checkpoint(str(directory / "bf16"), _published_test_config(model))
-    if weights == "fp8":
-        source = tiny_model.write_fp8_checkpoint(source, str(directory / "fp8"))
-    return ("--model", source)
+def _published_model_dir(name, weights, directory):
+    """A published config `name` (shrunk, seeded random weights) written under `directory`;
+    `weights` "fp8": block-quantized as DeepSeek publishes FP8, the policy loading it
+    dequantized, the engines starting with dummy weights and getting the policy's."""
+    source = tiny_model.write_checkpoint(str(directory / "bf16"), _published_test_config(name))
+    return tiny_model.write_fp8_checkpoint(source, str(directory / "fp8")) if weights == "fp8" else source
 
 
-# Each published config (shrunk) and the built-in DeepSeek under TP 2 (MLA with sequence
-# parallelism): 10 steps drafting with the MTP layer, over EP 2 or TP 2, replay on and off.
-E2E_MODELS = [("deepseek-v3", 1, 2, "--routing-replay", "fp8"), ("deepseek", 2, 1, "--routing-replay", "bf16"),
-              ("glm-4.5-air", 2, 1, "--no-routing-replay", "bf16"), ("glm-4.6", 1, 2, "--routing-replay", "bf16"),
-              ("mimo-7b-rl", 2, 1, None, "bf16")]
+# Each published config (shrunk): 10 steps drafting with the MTP layer, over EP 2 or TP 2
+# (sequence parallel), replay on and off, DeepSeek-V3 from FP8 blocks.
+E2E_MODELS = [("deepseek-v3", 1, 2, "--routing-replay", "fp8"), ("glm-4.5-air", 2, 1, "--no-routing-replay", "bf16"),
+              ("glm-4.6", 2, 1, "--routing-replay", "bf16"), ("mimo-7b-rl", 2, 1, None, "bf16")]
 
 
 @pytest.mark.parametrize("model,tensor_parallel,expert_parallel,replay,weights", E2E_MODELS)
-def test_train_grpo_published_configs_and_moe_families_train_with_drafting(tmp_path, model, tensor_parallel,
+def test_train_grpo_published_configs_train_with_drafting(tmp_path, model, tensor_parallel,
                                                                            expert_parallel, replay, weights):
     import transformers
     out, moe = str(tmp_path / "run"), model != "mimo-7b-rl"
-    records, stdout, _ = _torchrun(out, *_e2e_model_flags(model, weights, tmp_path), "--tp", str(tensor_parallel),
+    records, stdout, _ = _torchrun(out, "--model", _published_model_dir(model, weights, tmp_path), "--tp", str(tensor_parallel),
                                    "--ep", str(expert_parallel), *([replay] if replay else []), "--steps", "10",
                                    "--prompts-per-step", "4", "--eval-every", "10", "--num-speculative-tokens", "1")
     assert [record["step"] for record in records] == list(range(1, 11))
