@@ -35,8 +35,15 @@ import time
 
 # The process's start: what the imports below and the run's start cost is reported from it.
 IMPORTS_STARTED = time.perf_counter()
-# /dev/shm before this process made anything: see exit_now.
-SHARED_MEMORY_BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def shared_memory_names():
+    """The names in /dev/shm (empty where there is none): see exit_now."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+# /dev/shm before this process made anything.
+SHARED_MEMORY_BEFORE = shared_memory_names()
 
 import run_log  # noqa: E402
 
@@ -334,7 +341,8 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         longest = (refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
                    if s.data else max(len(tasks.prompt_token_ids(tokenizer, e["prompt"])) for e in examples + held_out))
         longest = max(longest, len(tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)))
-        s = flags.rollout_context(s, flags.model_config(s), longest)
+        hf_config = flags.model_config(s)
+        s = flags.rollout_context(s, hf_config, longest)
         credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
                           s.reward_timeout, lambda: stop.signum != 0)
     with timer("policy"):
@@ -342,7 +350,7 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         mtp_patch.patch_megatron_mtp()
         policy = trainer.build_policy(model_dir, flags.train_config(s))
     with timer("vLLM engines"):
-        engines = rollout.build_engines(*rollout_model(model_dir, s, rank), rank)
+        engines = rollout.build_engines(*rollout_model(model_dir, hf_config, s, rank), rank)
     with timer("checkpoint"):
         start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
     params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
@@ -353,16 +361,15 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
                start_seconds=timer.seconds)
 
 
-def rollout_model(model_dir, run_settings, rank):
-    """(directory, RolloutConfig) the engines are built from: the model's own, or a copy of its
+def rollout_model(model_dir, hf_config, run_settings, rank):
+    """(directory, RolloutConfig) the engines are built from (`hf_config`: the model's
+    config.json as a dict): the model's own directory, or a copy of its
     config and tokenizer (in OUT/rollout-model) with dummy weights, the first push bringing
     the policy's. The copy is for what vLLM cannot read as published: an FP8 block-quantized
     checkpoint (its config without `quantization_config`: the engines hold bf16/fp32 layers,
     the policy's weights dequantized; vLLM's own FP8 rollout is not used), and MiMo's
     `model_type` "mimo", which only its remote code defines (a Qwen2 trunk: "qwen2")."""
     config = flags.rollout_config(run_settings)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        hf_config = json.load(f)
     renamed = hf_config.get("model_type") == "mimo"
     if not hf_weights.fp8_block_size(hf_config) and not renamed:
         return model_dir, config
@@ -371,9 +378,7 @@ def rollout_model(model_dir, run_settings, rank):
         os.makedirs(directory, exist_ok=True)
         hf_weights.copy_hf_metadata(model_dir, directory)
         if renamed:
-            with open(os.path.join(directory, "config.json")) as f:
-                copied = json.load(f)
-            copied.pop("auto_map", None)
+            copied = {key: value for key, value in hf_config.items() if key not in ("auto_map", "quantization_config")}
             with open(os.path.join(directory, "config.json"), "w") as f:
                 json.dump({**copied, "model_type": "qwen2"}, f, indent=2)
     dist.barrier()
@@ -609,7 +614,7 @@ def exit_now(code):
         # Rank 0 alone says why a run stopped, maybe a moment later: torchrun would stop it,
         # unsaid, as soon as another rank is gone. The slow way out leaves it that moment.
         sys.exit(code)
-    if os.path.isdir("/dev/shm") and set(os.listdir("/dev/shm")) - SHARED_MEMORY_BEFORE:
+    if shared_memory_names() - SHARED_MEMORY_BEFORE:
         # vLLM's CPU engines over several ranks (--rollout-tp) share memory there that only
         # their destructors unlink; left behind, it would stop the next run's engines.
         sys.exit(code)
