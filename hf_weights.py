@@ -29,13 +29,7 @@ The layouts differ in these ways, all handled here:
 - Megatron's MTP computes `eh_proj(cat(embedding, hidden))`, as DeepSeek's and GLM's do;
   MiMo's (and vLLM's MiMo) `input_proj(cat(hidden, embedding))`: the halves swap.
 
-FP8 block-quantized checkpoints (DeepSeek-V3/R1/V3.1's published weights: config.json's
-`quantization_config` {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
-load directly: each `X.weight` stored as float8_e4m3fn beside its `X.weight_scale_inv`
-(float32, one scale per 128 x 128 block, [ceil(rows/128), ceil(cols/128)]) is dequantized
-at load, weight times its block's scale, in fp32 and then cast to the parameter dtype.
-Each rank reads only the blocks its slice touches. What DeepSeek leaves in bf16 (norms,
-embedding, output layer, routers, MTP's eh_proj) has no scale and loads as always. The
+FP8 block-quantized checkpoints load directly (safetensors_reader.py dequantizes them); the
 export is never quantized: `save_hf_checkpoint` writes the parameters' dtype and drops
 `quantization_config` from the config.json it copies.
 
@@ -52,7 +46,6 @@ and an HF export need none).
 
 import contextlib
 import dataclasses
-import glob
 import json
 import os
 import re
@@ -62,20 +55,15 @@ import weakref
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+from safetensors_reader import SCALE_SUFFIX, CheckpointReader, fp8_block_size, quantization_problems
 
 # The files of a HF checkpoint directory that are not weights; copied as they are on save.
 HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                      "tokenizer.model", "chat_template.jinja")
 SAFETENSORS_FILE = "model.safetensors"
-# An FP8 weight `X.weight` keeps its per-block dequantization scales in `X.weight_scale_inv`
-# (DeepSeek's name: the inverse of the scale it quantized with, so dequantizing multiplies).
-SCALE_SUFFIX = "_scale_inv"
-# The FP8 formats and block quantization fields this loader reads (see `fp8_block_size`).
-FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
-FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 # `megatron_to_hf(layers=...)`: everything, the main model only, the MTP layers only, or
 # what vLLM's MTP drafter holds (the MTP layers and the embedding and output layer it shares).
 LAYER_SELECTIONS = ("all", "main", "mtp", "draft")
@@ -360,83 +348,6 @@ def _is_mtp_hf_name(name, config):
 # HF -> Megatron
 # ---------------------------------------------------------------------------------------
 
-def fp8_block_size(hf_config):
-    """(rows, cols) of the FP8 blocks a HF config's `quantization_config` declares; None
-    when it declares none. ValueError for any other quantization, naming the field: its
-    weights would load as garbage. `activation_scheme` says how the checkpoint's own
-    inference quantizes activations; training in bf16/fp32 needs only "dynamic" (no stored
-    activation scales)."""
-    quantization = hf_config.get("quantization_config")
-    if not quantization:
-        return None
-    for field, expected in FP8_QUANTIZATION.items():
-        if quantization.get(field, expected) != expected:
-            raise ValueError(f"quantization_config.{field}={quantization.get(field)!r}: the loader reads FP8 "
-                             f"block-quantized weights only, expected {field} {expected!r}")
-    block = quantization.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"quantization_config.weight_block_size={block!r}: expected two positive block sides, "
-                         "as DeepSeek-V3's [128, 128] (per-tensor or per-channel FP8 is not read)")
-    return tuple(block)
-
-
-def dequantize_fp8_blocks(weight, scale, block):
-    """weight (FP8, [rows, cols]) times the scale of the block each element lies in ->
-    fp32. `scale` has one entry per `block` (rows, cols) tile starting at weight[0, 0]; the
-    last tiles may be cut short (ragged edges: 576 rows are 4 whole blocks and a half)."""
-    rows, cols = weight.shape
-    expanded = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * expanded
-
-
-class _Checkpoint:
-    """The tensors of every *.safetensors file in a directory, read whole or as slices;
-    FP8 block-quantized weights dequantized (fp32) when `block` (rows, cols) is given."""
-
-    def __init__(self, hf_dir, stack, block=None):
-        paths = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-        if not paths:
-            raise FileNotFoundError(f"no *.safetensors file in {hf_dir!r}")
-        self.files, self.block = {}, block
-        for path in paths:
-            handle = stack.enter_context(safe_open(path, framework="pt"))
-            for name in handle.keys():
-                self.files[name] = handle
-
-    def shape(self, name):
-        return tuple(self.files[name].get_slice(name).get_shape())
-
-    def dtype(self, name):
-        """safetensors' name of the stored dtype: "F32", "BF16", "F8_E4M3", ..."""
-        return self.files[name].get_slice(name).get_dtype()
-
-    def is_quantized(self, name):
-        return self.block is not None and name + SCALE_SUFFIX in self.files
-
-    def read(self, name, dim=0, start=None, stop=None):
-        """The tensor, or its [start:stop) slice along `dim`; only that slice is read (of an
-        FP8 weight, the whole blocks it touches, then dequantized and cut to the slice)."""
-        if self.is_quantized(name):
-            return self._read_dequantized(name, dim, start, stop)
-        return self._read_stored(name, dim, start, stop)
-
-    def _read_stored(self, name, dim, start, stop):
-        if start is None:
-            return self.files[name].get_tensor(name)
-        index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(dim + 1))
-        return self.files[name].get_slice(name)[index]
-
-    def _read_dequantized(self, name, dim, start, stop):
-        # The slice widened to whole blocks along `dim`, so each row (or column) read meets
-        # the scale of its own block: block b holds [b * side, (b + 1) * side).
-        length, side = self.shape(name)[dim], self.block[dim]
-        start, stop = (0, length) if start is None else (start, stop)
-        first, last = start // side, -(-stop // side)
-        weight = self._read_stored(name, dim, first * side, min(last * side, length))
-        scale = self._read_stored(name + SCALE_SUFFIX, dim, first, last)
-        return dequantize_fp8_blocks(weight, scale, self.block).narrow(dim, start - first * side, stop - start)
-
-
 def _read_local_shard(entry, checkpoint, config):
     """This rank's part of `entry` in megatron layout, reading only the slices it needs."""
     param, names = entry.param, entry.hf_names
@@ -480,7 +391,7 @@ def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
     # DeepSeek's layout stores the embedding and output layer again in each MTP layer:
     # megatron shares the main model's, so the copies are read by nothing.
     expected.update(_mtp_shared_copy_names(config))
-    problems += _quantization_problems(checkpoint, expected)
+    problems += quantization_problems(checkpoint, expected)
     expected.update(name + SCALE_SUFFIX for name in list(expected) if checkpoint.is_quantized(name))
     model_has_mtp = any(entry.is_mtp for entry in plan)
     for name in sorted(set(checkpoint.files) - expected):
@@ -492,27 +403,6 @@ def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
     if problems:
         raise ValueError(f"checkpoint {hf_dir!r} does not match the model ({len(problems)} problem(s)); "
                          "nothing was loaded:\n  " + "\n  ".join(problems))
-
-
-def _quantization_problems(checkpoint, expected):
-    """Each FP8 weight of `expected` must come with its scale, one per block, and each scale
-    with an FP8 weight under a config.json that declares the blocks."""
-    problems = []
-    for name in sorted(expected & set(checkpoint.files)):
-        stored, scale = checkpoint.dtype(name), name + SCALE_SUFFIX
-        if scale in checkpoint.files and checkpoint.block is None:
-            problems.append(f"{scale}: an FP8 block scale, but config.json has no quantization_config; expected "
-                            'quant_method "fp8" with its weight_block_size')
-        elif checkpoint.is_quantized(name):
-            blocks = tuple(-(-length // side) for length, side in zip(checkpoint.shape(name), checkpoint.block))
-            if stored not in FP8_DTYPES:
-                problems.append(f"{name}: stored as {stored} beside {scale}; expected {' or '.join(FP8_DTYPES)}")
-            if checkpoint.shape(scale) != blocks:
-                problems.append(f"{scale}: shape {checkpoint.shape(scale)}, expected {blocks} (one scale per "
-                                f"{checkpoint.block[0]} x {checkpoint.block[1]} block of {checkpoint.shape(name)})")
-        elif stored.startswith("F8"):
-            problems.append(f"{name}: stored as {stored} without {scale}; expected a scale per block")
-    return problems
 
 
 @torch.no_grad()
@@ -538,7 +428,7 @@ def load_hf_into_megatron(model, hf_dir):
         with open(hf_config_path) as f:
             hf_config = json.load(f)
     with contextlib.ExitStack() as stack:
-        checkpoint = _Checkpoint(hf_dir, stack, fp8_block_size(hf_config))
+        checkpoint = CheckpointReader(hf_dir, stack, fp8_block_size(hf_config))
         _check_checkpoint(plan, checkpoint, hf_config, model.config, hf_dir)
         for entry in plan:
             entry.param.copy_(_read_local_shard(entry, checkpoint, model.config))

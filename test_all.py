@@ -51,6 +51,7 @@ import mtp_matrix
 import mtp_patch
 import rollout
 import run_log
+import safetensors_reader
 import spec_config
 import tasks
 import tiny_model
@@ -4143,21 +4144,21 @@ def _fp8_loads(fp8_dir, broken_dir):
         # The bug a block-aligned read prevents: the slice alone, its first row taken for a block's first.
         length, side = self.shape(name)[dim], self.block[dim]
         start, stop = (0, length) if start is None else (start, stop)
-        scale = self._read_stored(name + hf_weights.SCALE_SUFFIX, dim, start // side, -(-stop // side))
-        return hf_weights.dequantize_fp8_blocks(self._read_stored(name, dim, start, stop), scale, self.block)
+        scale = self._read_stored(name + safetensors_reader.SCALE_SUFFIX, dim, start // side, -(-stop // side))
+        return safetensors_reader.dequantize_fp8_blocks(self._read_stored(name, dim, start, stop), scale, self.block)
 
     results = {"tp 1": load(1), "tp 2": load(2)}
     with pytest.raises(ValueError) as error:
         load(1, broken_dir)
     results["error"] = str(error.value)
-    dequantize, read = hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized
+    dequantize, read = safetensors_reader.dequantize_fp8_blocks, safetensors_reader.CheckpointReader._read_dequantized
     try:
-        hf_weights.dequantize_fp8_blocks = lambda weight, scale, block: weight.float()
+        safetensors_reader.dequantize_fp8_blocks = lambda weight, scale, block: weight.float()
         results["scale forgotten"] = load(2)
-        hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized = dequantize, unaligned
+        safetensors_reader.dequantize_fp8_blocks, safetensors_reader.CheckpointReader._read_dequantized = dequantize, unaligned
         results["blocks misaligned"] = load(2)
     finally:
-        hf_weights.dequantize_fp8_blocks, hf_weights._Checkpoint._read_dequantized = dequantize, read
+        safetensors_reader.dequantize_fp8_blocks, safetensors_reader.CheckpointReader._read_dequantized = dequantize, read
     return to_host(results) if torch.distributed.get_rank() == 0 else None
 
 
@@ -4199,10 +4200,27 @@ def test_hf_weights_fp8_block_quantized_weights_load_as_dequantized_by_hand_at_t
                                                         if not torch.equal(results["scale forgotten"][name], tensor)]
     assert "model.layers.0.self_attn.o_proj.weight_scale_inv: shape (1, 1), expected (2, 1)" in results["error"]
     assert "model.layers.0.mlp.down_proj.weight: stored as F8_E4M3 without" in results["error"]
+
+
+def test_safetensors_reader_reads_fp8_slices_through_whole_blocks_and_refuses_other_quantization(tmp_path):
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    quantized, scale = tiny_model.quantize_fp8_blocks(weight)
+    save_file({"w.weight": quantized, "w.weight_scale_inv": scale, "norm.weight": weight[0]},
+              str(tmp_path / "model.safetensors"))
+    with contextlib.ExitStack() as stack:
+        reader = safetensors_reader.CheckpointReader(str(tmp_path), stack, (128, 128))
+        whole = reader.read("w.weight")
+        assert torch.equal(whole, quantized.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200])
+        # Slices that start inside a block, and one in the ragged last block.
+        assert torch.equal(reader.read("w.weight", 0, 100, 250), whole[100:250])
+        assert torch.equal(reader.read("w.weight", 1, 130, 200), whole[:, 130:200])
+        assert torch.equal(reader.read("norm.weight"), weight[0]) and not reader.is_quantized("norm.weight")
+        assert safetensors_reader.quantization_problems(reader, {"w.weight", "norm.weight"}) == []
     with pytest.raises(ValueError, match="quant_method='compressed-tensors'.*expected quant_method 'fp8'"):
-        hf_weights.fp8_block_size({"quantization_config": {"quant_method": "compressed-tensors"}})
+        safetensors_reader.fp8_block_size({"quantization_config": {"quant_method": "compressed-tensors"}})
     with pytest.raises(ValueError, match=r"weight_block_size=None: expected two positive block sides"):
-        hf_weights.fp8_block_size({"quantization_config": {"quant_method": "fp8"}})
+        safetensors_reader.fp8_block_size({"quantization_config": {"quant_method": "fp8"}})
+    assert safetensors_reader.fp8_block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}) == (128, 64)
 
 
 def _batch_buggy_positions(batch):
