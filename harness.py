@@ -1,7 +1,7 @@
 """Test plumbing shared by test_all.py, bench.py and bench_runs.py: fresh processes with torchrun's environment.
 
 Anything that initialises torch.distributed, megatron-core's parallel state or a vLLM
-engine runs in freshly spawned processes (`run_in_processes`), so callers never share
+engine runs in fresh processes (`run_in_processes`), so callers never share
 global state and multi-rank code runs over real gloo process groups. Imports torch,
 the standard library and cpu_backend (pytest only inside `requires_cuda`), so `import bench` stays
 free of the test suite.
@@ -30,10 +30,10 @@ def shared_memory_names():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _process_entry(fn, args, rank, world_size, master_port, results):
+def _process_entry(fn, args, rank, world_size, master_port, env, results):
     shared_before = shared_memory_names()
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     # Two cores shared by world_size processes: more threads only contend.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -58,18 +58,29 @@ def _process_entry(fn, args, rank, world_size, master_port, results):
 
 
 def run_in_processes(fn, world_size=1, args=(), env=None, timeout=PROCESS_TIMEOUT_SECONDS):
-    """Run `fn(*args)` in `world_size` spawned processes with torchrun's environment set.
+    """Run `fn(*args)` in `world_size` fresh processes with torchrun's environment set.
 
     `fn` must be a module-level function; it calls `cpu_backend.init_distributed()` itself
-    if it needs a process group. `env` is set before the processes start (so that e.g.
-    CUDA_VISIBLE_DEVICES holds before anything imports). Returns the list of return values
-    by rank; a failure on any rank fails the caller with that rank's traceback.
+    if it needs a process group. `env` holds in each process before `fn` runs. Returns the
+    list of return values by rank; a failure on any rank fails the caller with that rank's
+    traceback.
+
+    Without CUDA the processes fork from a server that imported `fn`'s module once (torch,
+    megatron-core, vLLM: seconds per process otherwise); nothing in it has run a process
+    group or an engine, so each process still starts clean. Their stdout is the server's
+    (the first caller's). With CUDA they are spawned: a forked CUDA context is unusable.
     """
-    context = multiprocessing.get_context("spawn")
+    if torch.cuda.is_available():
+        context = multiprocessing.get_context("spawn")
+    else:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([fn.__module__])
     results = context.Queue()
     master_port = free_port()
-    processes = [context.Process(target=_process_entry, args=(fn, args, rank, world_size, master_port, results))
+    processes = [context.Process(target=_process_entry,
+                                 args=(fn, args, rank, world_size, master_port, dict(env or {}), results))
                  for rank in range(world_size)]
+    # Set here too, so that a spawned process imports with it (CUDA_VISIBLE_DEVICES).
     saved_env = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest test_all.py
 
 Anything that initialises torch.distributed, megatron-core's parallel state or a vLLM
-engine runs in freshly spawned processes (`harness.run_in_processes`), so tests never
+engine runs in fresh processes (`harness.run_in_processes`), so tests never
 share global state and multi-rank tests use real gloo process groups.
 """
 
