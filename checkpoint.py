@@ -45,9 +45,9 @@ LOCK_FILE = ".lock"
 SAVE_OVERHEAD_BYTES = 2**20
 DIGEST_BYTES = hashlib.sha256().digest_size
 HASH_CHUNK_BYTES = 2**22
-# Set by the fault-tolerance tests: "PHASE:STEP" makes the last rank SIGKILL itself there,
-# on torchrun's first attempt only (PHASE: sync, before the step's weight push; save,
-# after writing its file, before the checkpoint is published).
+# Set by the fault-tolerance tests: "PHASE:STEP[,PHASE:STEP...]" makes the last rank SIGKILL
+# itself at the i-th point on torchrun's i-th attempt (PHASE: sync, before the step's weight
+# push; save, after writing its file, before the checkpoint is published).
 KILL_AT_ENV = "TRAIN_GRPO_KILL_AT"
 
 
@@ -114,9 +114,10 @@ class StopRequest:
 
 
 def fault_point(phase, step):
-    """The fault-tolerance tests' SIGKILL, where KILL_AT_ENV names (phase, step)."""
-    if os.environ.get(KILL_AT_ENV) == f"{phase}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \
-            and dist.get_rank() == dist.get_world_size() - 1:
+    """The fault-tolerance tests' SIGKILL, where KILL_AT_ENV names (phase, step) for this attempt."""
+    points = os.environ.get(KILL_AT_ENV, "").split(",")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < len(points) and points[attempt] == f"{phase}:{step}" and dist.get_rank() == dist.get_world_size() - 1:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
