@@ -7,6 +7,8 @@ the standard library and cpu_backend (pytest only inside `requires_cuda`), so `i
 free of the test suite.
 """
 
+import atexit
+import ctypes
 import io
 import multiprocessing
 import os
@@ -25,9 +27,11 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def shared_memory_names():
-    """The names in /dev/shm (empty where there is none): vLLM's CPU engines over several
-    ranks share memory there that only their process's exit unlinks."""
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """The names in /dev/shm (empty where there is none) but multiprocessing's semaphores
+    (its resource tracker unlinks those): vLLM's CPU engines over several ranks share
+    memory there that only their process's exit unlinks."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {name for name in names if not name.startswith("sem.")}
 
 
 def _process_entry(fn, args, rank, world_size, master_port, env, results):
@@ -47,13 +51,15 @@ def _process_entry(fn, args, rank, world_size, master_port, env, results):
     # The result is through the pipe once the queue's feeder thread is joined. The shutdown
     # the interpreter would do next (vLLM's exit hooks collecting garbage engine by engine,
     # every module torn down) takes seconds per process and saves nothing, unless shared
-    # memory appeared meanwhile (this rank's or another's): its destructors unlink that.
+    # memory appeared meanwhile (this rank's or another's: vLLM's CPU engines over several
+    # ranks): the exit hooks and then C's exit() unlink it, os._exit alone would not.
     results.close()
     results.join_thread()
-    if shared_memory_names() - shared_before:
-        return
     sys.stdout.flush()
     sys.stderr.flush()
+    if shared_memory_names() - shared_before:
+        atexit._run_exitfuncs()
+        ctypes.CDLL(None).exit(0)
     os._exit(0)
 
 
