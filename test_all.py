@@ -4479,6 +4479,139 @@ def test_trainer_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint)
     assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
 
 
+def _long_tailed_samples(count=16, group_size=4, seed=0):
+    """GRPO samples whose response lengths are long-tailed (most short, a few 10x longer),
+    prompts of 3-8 tokens, advantages +-1; without rollout log-probs."""
+    rng = random.Random(seed)
+    samples = []
+    for index in range(count):
+        group = index // group_size
+        prompt = [3 + (7 * group + t) % 90 for t in range(3 + group % 6)]
+        length = rng.choice([2, 3, 4, 5, 6]) if rng.random() < 0.75 else rng.randint(30, 60)
+        samples.append({"prompt_ids": prompt, "response_ids": [rng.randint(3, 99) for _ in range(length)],
+                        "advantages": torch.full((length,), 1.0 if index % 3 else -1.0), "group": group})
+    return samples
+
+
+def test_trainer_token_budget_micro_batches_are_balanced_whole_and_within_the_budget():
+    samples = _long_tailed_samples(count=32, group_size=4, seed=1)
+    tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    for shared_prefix in (False, True):
+        for dp_size, budget in ((1, 64), (2, 64), (4, 40), (2, 10)):
+            ranks = trainer.token_budget_micro_batches(samples, budget, shared_prefix, dp_size)
+            case = (shared_prefix, dp_size, budget)
+            # Every rank runs as many micro-batches; every sample is trained once, fillers out of the loss.
+            assert len({len(micro_batches) for micro_batches in ranks}) == 1, case
+            trained = [id(s) for micro_batches in ranks for micro in micro_batches for s in micro
+                       if s.get("in_loss", True)]
+            assert sorted(trained) == sorted(map(id, samples)), case
+            for micro_batches in ranks:
+                for micro in micro_batches:
+                    cost = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in micro)
+                    if shared_prefix:
+                        cost -= sum(len(s["prompt_ids"]) for s, before in zip(micro[1:], micro) if
+                                    s["group"] == before["group"])
+                    # Within the budget, or one unit (a sample, a group) alone.
+                    units = len({s["group"] for s in micro}) if shared_prefix else len(micro)
+                    assert cost <= budget or units == 1, (case, cost)
+                    if shared_prefix:
+                        assert all(len([t for t in micro if t["group"] == s["group"]]) == 4 for s in micro), case
+            loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m
+                         if s.get("in_loss", True)) for micro_batches in ranks]
+            # Karmarkar-Karp: the ranks' tokens within the largest unit of each other.
+            assert max(loads) - min(loads) <= max(tokens) * (4 if shared_prefix else 1), (case, loads)
+    # Counted in order, the second rank would hold 1.6x the tokens of the first here.
+    halves = [sum(tokens[:16]), sum(tokens[16:])]
+    ranks = trainer.token_budget_micro_batches(samples, 64, False, 2)
+    loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m)
+             for micro_batches in ranks]
+    print(f"tokens per rank: counted {halves}, by tokens {loads}")
+    assert max(loads) - min(loads) <= 2 and max(halves) > 1.5 * min(halves)
+
+
+# What the token-budget step is compared on: the loss and every gradient, fp32.
+TOKEN_BUDGET_GRAD_ATOL = 1e-5
+TOKEN_BUDGET = 64
+
+
+def _token_budget_gradients(checkpoint, cases):
+    """One train_step per case (loss_agg, max_tokens_per_micro_batch, mutant) from the same
+    weights on this rank's share of `_long_tailed_samples` (all of them by tokens, the
+    rank's slice when counted): the total loss, the MTP loss and every parameter's
+    main_grad (summed over ranks), by case. Mutants: "per-micro-batch" normalises the
+    policy loss by each micro-batch's own tokens, "mtp-by-count" weighs each micro-batch's
+    MTP loss alike."""
+    from megatron.core import parallel_state
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    model = build_gpt_model(checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, 1e-3, 1e9))
+    start = {name: tensor.clone() for name, tensor in model.state_dict().items() if torch.is_tensor(tensor)}
+    samples = _long_tailed_samples()
+    for sample, logprobs in zip(samples, _response_logprobs(model, samples)):
+        sample["rollout_logprobs"] = logprobs.tolist()
+    results = []
+    for loss_agg, budget, mutant in cases:
+        model.load_state_dict(start, strict=False)
+        config = trainer.TrainConfig(max_tokens_per_micro_batch=budget,
+                                     loss=grpo_loss.LossConfig(loss_agg=loss_agg))
+        share = samples if budget else samples[dp_rank * 16 // dp_size:(dp_rank + 1) * 16 // dp_size]
+        with contextlib.ExitStack() as stack:
+            if mutant == "per-micro-batch":
+                weights = grpo_loss.token_weights
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    trainer.grpo_loss, "token_weights",
+                    lambda mask, seqlens, mode, sequences, tokens: weights(mask, seqlens, mode, sequences, mask.sum()))
+            if mutant == "mtp-by-count":
+                normalisation = trainer.step_normalisation
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    trainer, "step_normalisation", lambda *args: (lambda m, n, t, shares: (
+                        m, n, t, [1 / (len(shares) * dp_size)] * len(shares)))(*normalisation(*args)))
+            sums = trainer.train_step(policy, share, config)
+        metrics = trainer.reduce_metrics(sums, torch.device("cpu"))
+        results.append({"total_loss": metrics["total_loss"], "mtp_loss": metrics["mtp_loss"],
+                        "micro_batches": len(trainer.rank_micro_batches(share, config)),
+                        "grads": {name: param.main_grad.clone() for name, param in model.named_parameters()
+                                  if param.requires_grad}})
+    return results
+
+
+def test_trainer_token_budget_micro_batches_equal_one_micro_batch_in_loss_and_every_gradient(tiny_checkpoint):
+    """A long-tailed batch: one micro-batch of everything on one rank against token-budget
+    micro-batches on 1 and 2 ranks, every loss aggregation; mutants that normalise per
+    micro-batch (the policy loss, the MTP loss) are caught."""
+    modes = grpo_loss.LOSS_AGGREGATIONS
+    one = run_in_processes(_token_budget_gradients, args=(tiny_checkpoint, [
+        *[(mode, 0, None) for mode in modes], *[(mode, TOKEN_BUDGET, None) for mode in modes],
+        ("token-mean", TOKEN_BUDGET, "per-micro-batch"), ("token-mean", TOKEN_BUDGET, "mtp-by-count")]))[0]
+    two = run_in_processes(_token_budget_gradients, world_size=2, args=(
+        tiny_checkpoint, [(mode, TOKEN_BUDGET, None) for mode in modes]))
+    references = one[:len(modes)]
+    worst = 0.0
+    for index, mode in enumerate(modes):
+        for result in (one[len(modes) + index], two[0][index], two[1][index]):
+            assert result["micro_batches"] > 1, mode
+            assert result["total_loss"] == pytest.approx(references[index]["total_loss"], abs=1e-6), mode
+            assert result["mtp_loss"] == pytest.approx(references[index]["mtp_loss"], abs=1e-6), mode
+            for name, grad in result["grads"].items():
+                difference = (grad - references[index]["grads"][name]).abs().max().item()
+                worst = max(worst, difference)
+                assert difference < TOKEN_BUDGET_GRAD_ATOL, (mode, name, difference)
+    print(f"micro-batches: 1 rank {one[len(modes)]['micro_batches']}, 2 ranks {two[0][0]['micro_batches']}; "
+          f"worst gradient difference {worst:.1e}")
+
+    def worst_difference(result):
+        return max((grad - references[0]["grads"][name]).abs().max().item() for name, grad in result["grads"].items())
+    per_micro_batch, mtp_by_count = one[-2:]
+    assert worst_difference(per_micro_batch) > 100 * TOKEN_BUDGET_GRAD_ATOL
+    assert worst_difference(mtp_by_count) > 100 * TOKEN_BUDGET_GRAD_ATOL
+    assert references[0]["grads"]["mtp.layers.0.eh_proj.weight"].abs().max() > 1e-3
+
+
 def test_trainer_bf16_step_learns_and_its_hf_save_reloads_bit_exact(tiny_checkpoint, tmp_path):
     """bf16 weights, fp32 master copies in megatron's optimizer; on the GPU when there is one."""
     result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
