@@ -15,6 +15,7 @@ import gc
 import glob
 import http.server
 import importlib.metadata
+import io
 import json
 import logging
 import math
@@ -4477,6 +4478,110 @@ def test_trainer_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint)
     assert ((two[0]["weights"] - one["weights"]).abs() > TRAIN_STEP_WEIGHT_ATOL).float().mean() < 0.01
     # megatron-core's optimizer hard-codes CUDA: cpu_backend.cuda_on_cpu is what lets it run here.
     assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
+
+
+DISTRIBUTED_OPTIMIZER_STEPS = 2
+DISTRIBUTED_OPTIMIZER_RTOL = 1e-6  # grad norm: the shards' sums of squares in another order (measured 1.5e-7)
+DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL = 1e-5  # after 2 Adam steps at lr 1e-3 (measured 1.2e-6 after 3)
+DISTRIBUTED_OPTIMIZER_PADDING = 2 * 128  # Adam's two tensors x megatron's bucket padding per rank
+
+
+def _trainable_parts(model):
+    """Trainable elements as megatron's optimizers split them: [dense], or [dense, experts]."""
+    parts = [sum(param.numel() for param in model.parameters() if param.requires_grad
+                 and getattr(param, "allreduce", True) == dense) for dense in (True, False)]
+    return parts if parts[1] else parts[:1]
+
+
+def _distributed_optimizer_steps(checkpoint, expert_parallel, distributed):
+    """DISTRIBUTED_OPTIMIZER_STEPS train_steps of build_optimizer's plain or distributed
+    optimizer on this rank's share of a synthetic batch, saved after the first
+    (trainer.optimizer_state through torch.save) and resumed into a fresh policy: grad
+    norms, weights, whether the resumed run's weights equal the uninterrupted one's bit for
+    bit, the Adam state's elements per chained optimizer against its trainable elements
+    and data-parallel size, and the refusal of the other kind's state."""
+    from megatron.core import parallel_state
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(expert_parallel=expert_parallel, seed=0)
+    mtp_patch.patch_megatron_mtp()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def build(distributed):
+        model = build_gpt_model(checkpoint, expert_parallel=expert_parallel)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        return trainer.Policy(model, *trainer.build_optimizer(model, 1e-3, 1.0, distributed=distributed))
+    policy = build(distributed)
+    samples = _synthetic_samples(_settings(["--prompts-per-step", "4"]))
+    for sample, logprobs in zip(samples, _response_logprobs(policy.model, samples)):
+        sample["rollout_logprobs"] = logprobs.tolist()
+    mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
+    config, norms, saved = trainer.TrainConfig(), [], io.BytesIO()
+    for step in range(DISTRIBUTED_OPTIMIZER_STEPS):
+        norms.append(trainer.train_step(policy, mine, config)["grad_norm"])
+        if step == 0:
+            torch.save({"model": policy.model.state_dict(), "optimizer": trainer.optimizer_state(policy.optimizer)},
+                       saved)
+    weights = torch.cat([param.detach().flatten() for param in policy.model.parameters()])
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    resumed = build(distributed)
+    resumed.model.load_state_dict(state["model"])
+    trainer.load_optimizer_state(resumed.optimizer, state["optimizer"])
+    for _ in range(DISTRIBUTED_OPTIMIZER_STEPS - 1):
+        trainer.train_step(resumed, mine, config)
+    resumed_weights = torch.cat([param.detach().flatten() for param in resumed.model.parameters()])
+    parts = [{"adam_elements": sum(tensor.numel() for param_state in part.optimizer.state.values()
+                                   for name, tensor in param_state.items() if name in ("exp_avg", "exp_avg_sq")),
+              "trainable": trainable,
+              "data_parallel": part.data_parallel_group.size() if distributed else None}
+             for part, trainable in zip(trainer.optimizer_parts(policy.optimizer), _trainable_parts(policy.model))]
+    # The other kind's state (its layout is all the check reads) is refused before anything loads.
+    other = {"state": {}, "param_groups": []} if distributed else {trainer.DISTRIBUTED_SHARDS: []}
+    try:
+        trainer.load_optimizer_state(resumed.optimizer, other)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return {"norms": norms, "weights": weights, "resumed_exact": torch.equal(weights, resumed_weights),
+            "parts": parts, "refusal": refusal}
+
+
+@pytest.mark.parametrize("family,world_size,expert_parallel", [("tiny", 2, 1), ("deepseek", 4, 2)])
+def test_trainer_distributed_optimizer_equals_the_plain_one_holds_1_over_dp_and_resumes_bit_exact(
+        tiny_checkpoint, moe_checkpoints, family, world_size, expert_parallel):
+    """ZeRO-1 over data-parallel 2 (the dense weights) and, at EP 2 of 4 processes, the
+    experts over their own data-parallel group of 2: the same steps as the plain optimizer,
+    each rank's Adam state 1/DP of its optimizer's weights, a checkpoint of the first step
+    resumed bit for bit, a state of the other kind refused by name."""
+    checkpoint = tiny_checkpoint if family == "tiny" else moe_checkpoints[family]
+    sharded = run_in_processes(_distributed_optimizer_steps, world_size=world_size,
+                               args=(checkpoint, expert_parallel, True))
+    # The plain optimizer's run (the MoE model's at 4 processes costs more than it adds).
+    plain = run_in_processes(_distributed_optimizer_steps, world_size=world_size,
+                             args=(checkpoint, expert_parallel, False)) if family == "tiny" else sharded
+    for rank, (one, two) in enumerate(zip(plain, sharded)):
+        assert two["norms"] == pytest.approx(one["norms"], rel=DISTRIBUTED_OPTIMIZER_RTOL), rank
+        assert (two["weights"] - one["weights"]).abs().max() < DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL, rank
+        assert one["resumed_exact"] and two["resumed_exact"], rank
+        assert "plain optimizer's state and this run builds a distributed one" in two["refusal"]
+    # Adam keeps two fp32 tensors per weight: each rank 2/DP of its optimizer's (DP: the
+    # dense weights' data-parallel size, the experts' own), the ranks together all of them.
+    for index, part in enumerate(sharded[0]["parts"]):
+        assert part["data_parallel"] == world_size // (1 if index == 0 else expert_parallel), (index, part)
+        held = [rank["parts"][index]["adam_elements"] for rank in sharded]
+        assert sum(held) == 2 * part["trainable"] * world_size // part["data_parallel"], (index, held)
+        share = 2 * part["trainable"] / part["data_parallel"]
+        # Each rank's range of megatron's padded buffer holds its share, give or take the padding.
+        assert all(abs(elements - share) <= DISTRIBUTED_OPTIMIZER_PADDING * part["data_parallel"]
+                   for elements in held), (index, held, share)
+    if family == "tiny":
+        # The plain optimizer: every weight's state on every rank.
+        assert plain[0]["parts"][0]["adam_elements"] == 2 * sharded[0]["parts"][0]["trainable"]
+        assert "distributed optimizer's state and this run builds a plain one" in plain[0]["refusal"]
+    print(f"{family}: Adam elements per rank and optimizer, distributed "
+          f"{[[part['adam_elements'] for part in r['parts']] for r in sharded]}, plain "
+          f"{[r['parts'][0]['adam_elements'] for r in plain] if family == 'tiny' else '(not run)'}")
 
 
 def _long_tailed_samples(count=16, group_size=4, seed=0):
