@@ -4768,10 +4768,10 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
 TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
 
 
-def _settings(given=()):
-    """train_grpo's resolved settings for `given`: what a run with them uses."""
+def _settings(given=(), world_size=1):
+    """train_grpo's resolved settings for `given`: what a run of `world_size` processes with them uses."""
     args = flags.parse_args(list(given))
-    return flags.resolve(args, flags.model_config(args))
+    return flags.resolve(args, flags.model_config(args), world_size)
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -5770,16 +5770,48 @@ def test_flags_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uni
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
-    assert flags.resume_flag_changes(directory, _settings(same)) == ""
-    assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"])) == \
+    assert flags.resume_flag_changes(directory, _settings(same, world_size=2)) == ""
+    assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"], world_size=2)) == \
         "--steps 8 (was 5), --lr 0.0001 (was 0.0003)"
     with pytest.raises(SystemExit) as refused:
         flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg",
-                                                                    "seq-mean-token-sum", "--lr", "1e-4"]))
+                                                                    "seq-mean-token-sum", "--lr", "1e-4"], world_size=2))
     assert str(refused.value.code) == (
         f"train_grpo.py: --resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
         "and another --out")
+
+
+def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(uninterrupted_run, tmp_path):
+    # On where data-parallel size > 1 (the default run's 2 processes), off at DP 1 or when asked.
+    assert _settings(world_size=2).distributed_optimizer and not _settings(world_size=1).distributed_optimizer
+    assert not _settings(["--tp", "2"], world_size=2).distributed_optimizer
+    assert not _settings(["--no-distributed-optimizer"], world_size=2).distributed_optimizer
+    assert _settings().max_tokens_per_micro_batch == 0
+    assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512"]), 2) == []
+    assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512", "--micro-batches", "2",
+                                                 "--cp", "2"]), 2) == [
+        "--max-tokens-per-micro-batch 512 with --micro-batches 2: the token budget decides how many micro-batches; "
+        "expected one of the two",
+        "--max-tokens-per-micro-batch 512 with --cp 2: token-budget micro-batches are not built for context "
+        "parallelism (each sequence padded and split over the CP ranks); expected --cp 1 or --micro-batches"]
+    # Resuming: the budget may change (the same loss), the optimizer's kind may not.
+    out = uninterrupted_run[0]
+    directory = os.path.join(out, "checkpoints", "step_000005")
+    same = ["--out", out, *SHORT_RUN]
+    assert flags.resume_flag_changes(directory, _settings(same + ["--max-tokens-per-micro-batch", "64"], 2)) == \
+        "--max-tokens-per-micro-batch 64 (was 0)"
+    with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer False \(was True\)"):
+        flags.resume_flag_changes(directory, _settings(same + ["--no-distributed-optimizer"], 2))
+    # A checkpoint saved before the flag existed holds the plain optimizer's state.
+    older = tmp_path / "step_000005"
+    older.mkdir()
+    meta = checkpoint.read_meta(directory)
+    del meta["flags"]["distributed_optimizer"]
+    (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer True \(was False\)"):
+        flags.resume_flag_changes(str(older), _settings(same, 2))
+    assert flags.resume_flag_changes(str(older), _settings(same + ["--no-distributed-optimizer"], 2)) == ""
 
 
 def _optimizer_after_resume(checkpoint_dir, directory):
