@@ -4543,8 +4543,10 @@ def _distributed_optimizer_steps(checkpoint, expert_parallel, distributed):
         refusal = None
     except ValueError as error:
         refusal = str(error)
+    fused = all(group["fused"] for part in trainer.optimizer_parts(policy.optimizer)
+                for group in part.optimizer.param_groups)
     return {"norms": norms, "weights": weights, "resumed_exact": torch.equal(weights, resumed_weights),
-            "parts": parts, "refusal": refusal}
+            "parts": parts, "refusal": refusal, "fused": fused}
 
 
 @pytest.mark.parametrize("family,world_size,expert_parallel", [("tiny", 2, 1), ("deepseek", 4, 2)])
@@ -4564,6 +4566,8 @@ def test_trainer_distributed_optimizer_equals_the_plain_one_holds_1_over_dp_and_
         assert two["norms"] == pytest.approx(one["norms"], rel=DISTRIBUTED_OPTIMIZER_RTOL), rank
         assert (two["weights"] - one["weights"]).abs().max() < DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL, rank
         assert one["resumed_exact"] and two["resumed_exact"], rank
+        # build_optimizer's fused CPU Adam, on every chained optimizer (where CUDA is absent).
+        assert two["fused"] == (not torch.cuda.is_available()), rank
         assert "plain optimizer's state and this run builds a distributed one" in two["refusal"]
     # Adam keeps two fp32 tensors per weight: each rank 2/DP of its optimizer's (DP: the
     # dense weights' data-parallel size, the experts' own), the ranks together all of them.
@@ -5803,6 +5807,9 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
         "--max-tokens-per-micro-batch 64 (was 0)"
     with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer False \(was True\)"):
         flags.resume_flag_changes(directory, _settings(same + ["--no-distributed-optimizer"], 2))
+    # The default run's checkpoint holds each rank's shard.
+    assert list(torch.load(os.path.join(directory, "rank1.pt"), weights_only=True)["optimizer"]) == [
+        trainer.DISTRIBUTED_SHARDS]
     # A checkpoint saved before the flag existed holds the plain optimizer's state.
     older = tmp_path / "step_000005"
     older.mkdir()

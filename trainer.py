@@ -316,11 +316,10 @@ def token_budget_micro_batches(samples, budget, shared_prefix, dp_size):
     costs = [len(samples[unit[0]]["prompt_ids"]) * (1 if shared_prefix else len(unit))
              + sum(len(samples[i]["response_ids"]) for i in unit) for unit in units]
     ranks = karmarkar_karp(costs, dp_size)
-    bins = [[[ranks[r][b] for b in bin_] for bin_ in fill_micro_batches([costs[u] for u in ranks[r]], budget)]
-            for r in range(dp_size)]
-    count = max(len(rank_bins) for rank_bins in bins)
-    bins = [[[ranks[r][b] for b in bin_] for bin_ in fill_micro_batches([costs[u] for u in ranks[r]], budget, count)]
-            for r in range(dp_size)]
+    rank_costs = [[costs[unit] for unit in rank] for rank in ranks]
+    count = max(len(fill_micro_batches(unit_costs, budget)) for unit_costs in rank_costs)
+    bins = [[[rank[b] for b in bin_] for bin_ in fill_micro_batches(unit_costs, budget, count)]
+            for rank, unit_costs in zip(ranks, rank_costs)]
     smallest = min(range(len(units)), key=lambda u: costs[u])
     filler = [dict(samples[i], in_loss=False) for i in units[smallest]]
     return [[[samples[i] for u in bin_ for i in units[u]] for bin_ in rank_bins] + [filler] * (count - len(rank_bins))
