@@ -53,10 +53,10 @@ DEFAULT_SAMPLING_ROUNDS = 4
 # What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
 # logs, its length and the optimizer's step size. Any other flag makes it another run.
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
-                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "max_tokens_per_micro_batch", "mtp_rollout",
-                     "num_speculative_tokens", "max_speculative_tokens", "tune_every", "acceptance_check_every",
-                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes", "shared_prefix",
-                     "reward_timeout", "resume_with_changed_inputs")
+                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "max_tokens_per_micro_batch",
+                     "mtp_rollout", "num_speculative_tokens", "max_speculative_tokens", "tune_every",
+                     "acceptance_check_every", "check_draft_every", "spec_config", "gpu_memory_utilization",
+                     "kv_cache_bytes", "shared_prefix", "reward_timeout", "resume_with_changed_inputs")
 
 
 def usage_error(message):
@@ -188,8 +188,9 @@ def add_layout_flags(p):
                         "time and keeps tokens that vLLM and Megatron route differently out of the log-prob mismatch)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="megatron-core's distributed optimizer (ZeRO-1): each data-parallel rank holds 1/DP of the "
-                        "fp32 main weights and Adam states (an MoE model's experts: 1/DP of the experts' data-parallel "
-                        "group); the same steps as the plain optimizer (default: on where data-parallel size > 1)")
+                        "fp32 main weights and Adam states (an MoE model's experts: 1/DP of the experts' "
+                        "data-parallel group); the same steps as the plain optimizer (default: on where "
+                        "data-parallel size > 1)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "

@@ -5778,8 +5778,8 @@ def test_flags_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uni
     assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"], world_size=2)) == \
         "--steps 8 (was 5), --lr 0.0001 (was 0.0003)"
     with pytest.raises(SystemExit) as refused:
-        flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg",
-                                                                    "seq-mean-token-sum", "--lr", "1e-4"], world_size=2))
+        flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg", "seq-mean-token-sum",
+                                                               "--lr", "1e-4"], world_size=2))
     assert str(refused.value.code) == (
         f"train_grpo.py: --resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "

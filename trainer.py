@@ -322,8 +322,8 @@ def token_budget_micro_batches(samples, budget, shared_prefix, dp_size):
             for rank, unit_costs in zip(ranks, rank_costs)]
     smallest = min(range(len(units)), key=lambda u: costs[u])
     filler = [dict(samples[i], in_loss=False) for i in units[smallest]]
-    return [[[samples[i] for u in bin_ for i in units[u]] for bin_ in rank_bins] + [filler] * (count - len(rank_bins))
-            for rank_bins in bins]
+    return [[[samples[i] for unit in bin_ for i in units[unit]] for bin_ in rank_bins]
+            + [filler] * (count - len(rank_bins)) for rank_bins in bins]
 
 
 def rank_micro_batches(samples, config):
