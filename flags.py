@@ -53,10 +53,10 @@ DEFAULT_SAMPLING_ROUNDS = 4
 # What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
 # logs, its length and the optimizer's step size. Any other flag makes it another run.
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
-                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "mtp_rollout",
-                     "num_speculative_tokens", "max_speculative_tokens", "tune_every", "acceptance_check_every",
-                     "check_draft_every", "spec_config", "gpu_memory_utilization", "kv_cache_bytes", "shared_prefix",
-                     "reward_timeout", "resume_with_changed_inputs")
+                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "max_tokens_per_micro_batch",
+                     "mtp_rollout", "num_speculative_tokens", "max_speculative_tokens", "tune_every",
+                     "acceptance_check_every", "check_draft_every", "spec_config", "gpu_memory_utilization",
+                     "kv_cache_bytes", "shared_prefix", "reward_timeout", "resume_with_changed_inputs")
 
 
 def usage_error(message):
@@ -186,6 +186,11 @@ def add_layout_flags(p):
                         "(rollout routing replay, R3) instead of their own; off, the share of tokens whose experts "
                         "agree is logged as routing_agreement (default: on for an MoE model; it costs no measurable "
                         "time and keeps tokens that vLLM and Megatron route differently out of the log-prob mismatch)")
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                   help="megatron-core's distributed optimizer (ZeRO-1): each data-parallel rank holds 1/DP of the "
+                        "fp32 main weights and Adam states (an MoE model's experts: 1/DP of the experts' "
+                        "data-parallel group); the same steps as the plain optimizer (default: on where "
+                        "data-parallel size > 1)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
@@ -217,6 +222,11 @@ def add_loss_flags(p):
                         "Transformer Engine)")
     p.add_argument("--micro-batches", type=POSITIVE_INT, default=TRAIN.micro_batches,
                    help="gradient accumulation micro-batches per optimizer step (per mini-batch)")
+    p.add_argument("--max-tokens-per-micro-batch", type=COUNT, default=TRAIN.max_tokens_per_micro_batch,
+                   help="fill each micro-batch with sequences up to this many tokens (prompt + response; a longer "
+                        "sequence gets a micro-batch of its own) instead of counting them, the batch split over "
+                        "data-parallel ranks so each holds about as many tokens, every rank running as many "
+                        "micro-batches; the loss is the same (0: off, --micro-batches counts them)")
     p.add_argument("--mini-batches", type=POSITIVE_INT, default=TRAIN.mini_batches,
                    help="optimizer steps per pass over the rollout batch; > 1 (or --ppo-epochs > 1) makes the PPO "
                         "ratio move and the clip act")
@@ -341,6 +351,7 @@ def layout_problems(args, world_size):
     if sequences % (args.mini_batches * args.micro_batches):
         problems.append(f"--mini-batches {args.mini_batches} x --micro-batches {args.micro_batches}: expected a "
                         f"divisor of the {sequences} sequences per step (--prompts-per-step x --group-size)")
+    problems += token_budget_problems(args)
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         problems.append(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint dir")
     if args.model is not None and args.builtin_model is not None:
@@ -354,6 +365,19 @@ def layout_problems(args, world_size):
     except (TypeError, ValueError, RuntimeError) as error:
         problems.append(f"--spec-config {args.spec_config!r}: {error}")
     return problems + checkpoint.out_problems(args.out, args.resume)
+
+
+def token_budget_problems(args):
+    """--max-tokens-per-micro-batch: the budget decides the micro-batches, each sequence whole on a rank."""
+    budget, problems = args.max_tokens_per_micro_batch, []
+    if budget and args.micro_batches > 1:
+        problems.append(f"--max-tokens-per-micro-batch {budget} with --micro-batches {args.micro_batches}: the token "
+                        "budget decides how many micro-batches; expected one of the two")
+    if budget and args.cp > 1:
+        problems.append(f"--max-tokens-per-micro-batch {budget} with --cp {args.cp}: token-budget micro-batches are "
+                        "not built for context parallelism (each sequence padded and split over the CP ranks); "
+                        "expected --cp 1 or --micro-batches")
+    return problems
 
 
 def data_problems(args):
@@ -483,10 +507,10 @@ def flag_problems(args, world_size):
     return problems or model_problems(args, model_config(args))
 
 
-def resolve(args, hf_config):
+def resolve(args, hf_config, world_size=1):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
-    ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix and the built-in
-    model's name);
+    ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix,
+    distributed_optimizer (from `world_size`) and the built-in model's name);
     `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     derived = {
@@ -504,6 +528,8 @@ def resolve(args, hf_config):
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
         "shared_prefix": (shared_prefix_obstacle(args, hf_config) is None if args.shared_prefix is None
                           else args.shared_prefix),
+        "distributed_optimizer": (world_size // (args.tp * args.cp) > 1 if args.distributed_optimizer is None
+                                  else args.distributed_optimizer),
     }
     return argparse.Namespace(**{**vars(args), **derived})
 
@@ -513,14 +539,15 @@ def check_args(args, world_size):
     problems = flag_problems(args, world_size)
     if problems:
         raise usage_error("\n  ".join(["bad flags:"] + problems))
-    return resolve(args, model_config(args))
+    return resolve(args, model_config(args), world_size)
 
 
 def resume_flag_changes(resume_dir, run_settings):
     """The flags this run sets otherwise than the checkpoint it resumes (saved in its
     meta.json): those RESUME_MAY_CHANGE allows as a description ("" for none); any other
     is a refusal naming each, then and now."""
-    saved = checkpoint.read_meta(resume_dir).get("flags", {})
+    # A checkpoint from before --distributed-optimizer holds the plain optimizer's state.
+    saved = {"distributed_optimizer": False, **checkpoint.read_meta(resume_dir).get("flags", {})}
     changed = {name: (saved[name], value) for name, value in vars(run_settings).items()
                if name in saved and saved[name] != value}
 

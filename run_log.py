@@ -35,8 +35,12 @@ KNOWN_PYTHON_WARNINGS = (
     r"full scope is deprecated",  # megatron's own default cuda_graph_scope
     r"The 'megatron.core.transformer.custom_layers.transformer_engine'",
     r"`torch.distributed.reduce_op` is deprecated",  # raised inside vLLM's kernel registry
-    # megatron-core's sequence-parallel collectives (MoE models under --tp > 1).
+    # megatron-core's sequence-parallel collectives (MoE models under --tp > 1), and its
+    # distributed optimizer's gradient reduce-scatter and weight all-gather.
     r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    # The distributed optimizer's fp32 main weights are views of its buffer, and megatron
+    # asks each for a .grad.
+    r"The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     r"When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
 )
 # vLLM warnings about its CPU build and the engine options this project sets on purpose.

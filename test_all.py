@@ -15,6 +15,7 @@ import gc
 import glob
 import http.server
 import importlib.metadata
+import io
 import json
 import logging
 import math
@@ -4479,6 +4480,247 @@ def test_trainer_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint)
     assert "CUDA" in run_in_processes(_optimizer_without_cuda_on_cpu, args=(tiny_checkpoint,))[0]
 
 
+DISTRIBUTED_OPTIMIZER_STEPS = 2
+DISTRIBUTED_OPTIMIZER_RTOL = 1e-6  # grad norm: the shards' sums of squares in another order (measured 1.5e-7)
+DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL = 1e-5  # after 2 Adam steps at lr 1e-3 (measured 1.2e-6 after 3)
+DISTRIBUTED_OPTIMIZER_PADDING = 2 * 128  # Adam's two tensors x megatron's bucket padding per rank
+
+
+def _trainable_parts(model):
+    """Trainable elements as megatron's optimizers split them: [dense], or [dense, experts]."""
+    parts = [sum(param.numel() for param in model.parameters() if param.requires_grad
+                 and getattr(param, "allreduce", True) == dense) for dense in (True, False)]
+    return parts if parts[1] else parts[:1]
+
+
+def _distributed_optimizer_steps(checkpoint, expert_parallel, distributed):
+    """DISTRIBUTED_OPTIMIZER_STEPS train_steps of build_optimizer's plain or distributed
+    optimizer on this rank's share of a synthetic batch, saved after the first
+    (trainer.optimizer_state through torch.save) and resumed into a fresh policy: grad
+    norms, weights, whether the resumed run's weights equal the uninterrupted one's bit for
+    bit, the Adam state's elements per chained optimizer against its trainable elements
+    and data-parallel size, and the refusal of the other kind's state."""
+    from megatron.core import parallel_state
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(expert_parallel=expert_parallel, seed=0)
+    mtp_patch.patch_megatron_mtp()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def build(distributed):
+        model = build_gpt_model(checkpoint, expert_parallel=expert_parallel)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        return trainer.Policy(model, *trainer.build_optimizer(model, 1e-3, 1.0, distributed=distributed))
+    policy = build(distributed)
+    samples = _synthetic_samples(_settings(["--prompts-per-step", "4"]))
+    for sample, logprobs in zip(samples, _response_logprobs(policy.model, samples)):
+        sample["rollout_logprobs"] = logprobs.tolist()
+    mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
+    config, norms, saved = trainer.TrainConfig(), [], io.BytesIO()
+    for step in range(DISTRIBUTED_OPTIMIZER_STEPS):
+        norms.append(trainer.train_step(policy, mine, config)["grad_norm"])
+        if step == 0:
+            torch.save({"model": policy.model.state_dict(), "optimizer": trainer.optimizer_state(policy.optimizer)},
+                       saved)
+    weights = torch.cat([param.detach().flatten() for param in policy.model.parameters()])
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    resumed = build(distributed)
+    resumed.model.load_state_dict(state["model"])
+    trainer.load_optimizer_state(resumed.optimizer, state["optimizer"])
+    for _ in range(DISTRIBUTED_OPTIMIZER_STEPS - 1):
+        trainer.train_step(resumed, mine, config)
+    resumed_weights = torch.cat([param.detach().flatten() for param in resumed.model.parameters()])
+    parts = [{"adam_elements": sum(tensor.numel() for param_state in part.optimizer.state.values()
+                                   for name, tensor in param_state.items() if name in ("exp_avg", "exp_avg_sq")),
+              "trainable": trainable,
+              "data_parallel": part.data_parallel_group.size() if distributed else None}
+             for part, trainable in zip(trainer.optimizer_parts(policy.optimizer), _trainable_parts(policy.model))]
+    # The other kind's state (its layout is all the check reads) is refused before anything loads.
+    other = {"state": {}, "param_groups": []} if distributed else {trainer.DISTRIBUTED_SHARDS: []}
+    try:
+        trainer.load_optimizer_state(resumed.optimizer, other)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    fused = all(group["fused"] for part in trainer.optimizer_parts(policy.optimizer)
+                for group in part.optimizer.param_groups)
+    return {"norms": norms, "weights": weights, "resumed_exact": torch.equal(weights, resumed_weights),
+            "parts": parts, "refusal": refusal, "fused": fused}
+
+
+@pytest.mark.parametrize("family,world_size,expert_parallel", [("tiny", 2, 1), ("deepseek", 4, 2)])
+def test_trainer_distributed_optimizer_equals_the_plain_one_holds_1_over_dp_and_resumes_bit_exact(
+        tiny_checkpoint, moe_checkpoints, family, world_size, expert_parallel):
+    """ZeRO-1 over data-parallel 2 (the dense weights) and, at EP 2 of 4 processes, the
+    experts over their own data-parallel group of 2: the same steps as the plain optimizer,
+    each rank's Adam state 1/DP of its optimizer's weights, a checkpoint of the first step
+    resumed bit for bit, a state of the other kind refused by name."""
+    checkpoint = tiny_checkpoint if family == "tiny" else moe_checkpoints[family]
+    sharded = run_in_processes(_distributed_optimizer_steps, world_size=world_size,
+                               args=(checkpoint, expert_parallel, True))
+    # The plain optimizer's run (the MoE model's at 4 processes costs more than it adds).
+    plain = run_in_processes(_distributed_optimizer_steps, world_size=world_size,
+                             args=(checkpoint, expert_parallel, False)) if family == "tiny" else sharded
+    for rank, (one, two) in enumerate(zip(plain, sharded)):
+        assert two["norms"] == pytest.approx(one["norms"], rel=DISTRIBUTED_OPTIMIZER_RTOL), rank
+        assert (two["weights"] - one["weights"]).abs().max() < DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL, rank
+        assert one["resumed_exact"] and two["resumed_exact"], rank
+        # build_optimizer's fused CPU Adam, on every chained optimizer (where CUDA is absent).
+        assert two["fused"] == (not torch.cuda.is_available()), rank
+        assert "plain optimizer's state and this run builds a distributed one" in two["refusal"]
+    # Adam keeps two fp32 tensors per weight: each rank 2/DP of its optimizer's (DP: the
+    # dense weights' data-parallel size, the experts' own), the ranks together all of them.
+    for index, part in enumerate(sharded[0]["parts"]):
+        assert part["data_parallel"] == world_size // (1 if index == 0 else expert_parallel), (index, part)
+        held = [rank["parts"][index]["adam_elements"] for rank in sharded]
+        assert sum(held) == 2 * part["trainable"] * world_size // part["data_parallel"], (index, held)
+        share = 2 * part["trainable"] / part["data_parallel"]
+        # Each rank's range of megatron's padded buffer holds its share, give or take the padding.
+        assert all(abs(elements - share) <= DISTRIBUTED_OPTIMIZER_PADDING * part["data_parallel"]
+                   for elements in held), (index, held, share)
+    if family == "tiny":
+        # The plain optimizer: every weight's state on every rank.
+        assert plain[0]["parts"][0]["adam_elements"] == 2 * sharded[0]["parts"][0]["trainable"]
+        assert "distributed optimizer's state and this run builds a plain one" in plain[0]["refusal"]
+    print(f"{family}: Adam elements per rank and optimizer, distributed "
+          f"{[[part['adam_elements'] for part in r['parts']] for r in sharded]}, plain "
+          f"{[r['parts'][0]['adam_elements'] for r in plain] if family == 'tiny' else '(not run)'}")
+
+
+def _long_tailed_samples(count=16, group_size=4, seed=0):
+    """GRPO samples whose response lengths are long-tailed (most short, a few 10x longer),
+    prompts of 3-8 tokens, advantages +-1; without rollout log-probs."""
+    rng = random.Random(seed)
+    samples = []
+    for index in range(count):
+        group = index // group_size
+        prompt = [3 + (7 * group + t) % 90 for t in range(3 + group % 6)]
+        length = rng.choice([2, 3, 4, 5, 6]) if rng.random() < 0.75 else rng.randint(30, 60)
+        samples.append({"prompt_ids": prompt, "response_ids": [rng.randint(3, 99) for _ in range(length)],
+                        "advantages": torch.full((length,), 1.0 if index % 3 else -1.0), "group": group})
+    return samples
+
+
+def test_trainer_token_budget_micro_batches_are_balanced_whole_and_within_the_budget():
+    samples = _long_tailed_samples(count=32, group_size=4, seed=1)
+    tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    for shared_prefix in (False, True):
+        for dp_size, budget in ((1, 64), (2, 64), (4, 40), (2, 10)):
+            ranks = trainer.token_budget_micro_batches(samples, budget, shared_prefix, dp_size)
+            case = (shared_prefix, dp_size, budget)
+            # Every rank runs as many micro-batches; every sample is trained once, fillers out of the loss.
+            assert len({len(micro_batches) for micro_batches in ranks}) == 1, case
+            trained = [id(s) for micro_batches in ranks for micro in micro_batches for s in micro
+                       if s.get("in_loss", True)]
+            assert sorted(trained) == sorted(map(id, samples)), case
+            for micro_batches in ranks:
+                for micro in micro_batches:
+                    cost = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in micro)
+                    if shared_prefix:
+                        cost -= sum(len(s["prompt_ids"]) for s, before in zip(micro[1:], micro) if
+                                    s["group"] == before["group"])
+                    # Within the budget, or one unit (a sample, a group) alone.
+                    units = len({s["group"] for s in micro}) if shared_prefix else len(micro)
+                    assert cost <= budget or units == 1, (case, cost)
+                    if shared_prefix:
+                        assert all(len([t for t in micro if t["group"] == s["group"]]) == 4 for s in micro), case
+            loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m
+                         if s.get("in_loss", True)) for micro_batches in ranks]
+            # Karmarkar-Karp: the ranks' tokens within the largest unit of each other.
+            assert max(loads) - min(loads) <= max(tokens) * (4 if shared_prefix else 1), (case, loads)
+    # Counted in order, the second rank would hold 1.6x the tokens of the first here.
+    halves = [sum(tokens[:16]), sum(tokens[16:])]
+    ranks = trainer.token_budget_micro_batches(samples, 64, False, 2)
+    loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m)
+             for micro_batches in ranks]
+    print(f"tokens per rank: counted {halves}, by tokens {loads}")
+    assert max(loads) - min(loads) <= 2 and max(halves) > 1.5 * min(halves)
+
+
+# What the token-budget step is compared on: the loss and every gradient, fp32.
+TOKEN_BUDGET_GRAD_ATOL = 1e-5
+TOKEN_BUDGET = 64
+
+
+def _token_budget_gradients(checkpoint, cases):
+    """One train_step per case (loss_agg, max_tokens_per_micro_batch, mutant) from the same
+    weights on this rank's share of `_long_tailed_samples` (all of them by tokens, the
+    rank's slice when counted): the total loss, the MTP loss and every parameter's
+    main_grad (summed over ranks), by case. Mutants: "per-micro-batch" normalises the
+    policy loss by each micro-batch's own tokens, "mtp-by-count" weighs each micro-batch's
+    MTP loss alike."""
+    from megatron.core import parallel_state
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    model = build_gpt_model(checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, 1e-3, 1e9))
+    start = {name: tensor.clone() for name, tensor in model.state_dict().items() if torch.is_tensor(tensor)}
+    samples = _long_tailed_samples()
+    for sample, logprobs in zip(samples, _response_logprobs(model, samples)):
+        sample["rollout_logprobs"] = logprobs.tolist()
+    results = []
+    for loss_agg, budget, mutant in cases:
+        model.load_state_dict(start, strict=False)
+        config = trainer.TrainConfig(max_tokens_per_micro_batch=budget,
+                                     loss=grpo_loss.LossConfig(loss_agg=loss_agg))
+        share = samples if budget else samples[dp_rank * 16 // dp_size:(dp_rank + 1) * 16 // dp_size]
+        with contextlib.ExitStack() as stack:
+            if mutant == "per-micro-batch":
+                weights = grpo_loss.token_weights
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    trainer.grpo_loss, "token_weights",
+                    lambda mask, seqlens, mode, sequences, tokens: weights(mask, seqlens, mode, sequences, mask.sum()))
+            if mutant == "mtp-by-count":
+                normalisation = trainer.step_normalisation
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    trainer, "step_normalisation", lambda *args: (lambda m, n, t, shares: (
+                        m, n, t, [1 / (len(shares) * dp_size)] * len(shares)))(*normalisation(*args)))
+            sums = trainer.train_step(policy, share, config)
+        metrics = trainer.reduce_metrics(sums, torch.device("cpu"))
+        results.append({"total_loss": metrics["total_loss"], "mtp_loss": metrics["mtp_loss"],
+                        "micro_batches": len(trainer.rank_micro_batches(share, config)),
+                        "grads": {name: param.main_grad.clone() for name, param in model.named_parameters()
+                                  if param.requires_grad}})
+    return results
+
+
+def test_trainer_token_budget_micro_batches_equal_one_micro_batch_in_loss_and_every_gradient(tiny_checkpoint):
+    """A long-tailed batch: one micro-batch of everything on one rank against token-budget
+    micro-batches on 1 and 2 ranks, every loss aggregation; mutants that normalise per
+    micro-batch (the policy loss, the MTP loss) are caught."""
+    modes = grpo_loss.LOSS_AGGREGATIONS
+    one = run_in_processes(_token_budget_gradients, args=(tiny_checkpoint, [
+        *[(mode, 0, None) for mode in modes], *[(mode, TOKEN_BUDGET, None) for mode in modes],
+        ("token-mean", TOKEN_BUDGET, "per-micro-batch"), ("token-mean", TOKEN_BUDGET, "mtp-by-count")]))[0]
+    two = run_in_processes(_token_budget_gradients, world_size=2, args=(
+        tiny_checkpoint, [(mode, TOKEN_BUDGET, None) for mode in modes]))
+    references = one[:len(modes)]
+    worst = 0.0
+    for index, mode in enumerate(modes):
+        for result in (one[len(modes) + index], two[0][index], two[1][index]):
+            assert result["micro_batches"] > 1, mode
+            assert result["total_loss"] == pytest.approx(references[index]["total_loss"], abs=1e-6), mode
+            assert result["mtp_loss"] == pytest.approx(references[index]["mtp_loss"], abs=1e-6), mode
+            for name, grad in result["grads"].items():
+                difference = (grad - references[index]["grads"][name]).abs().max().item()
+                worst = max(worst, difference)
+                assert difference < TOKEN_BUDGET_GRAD_ATOL, (mode, name, difference)
+    print(f"micro-batches: 1 rank {one[len(modes)]['micro_batches']}, 2 ranks {two[0][0]['micro_batches']}; "
+          f"worst gradient difference {worst:.1e}")
+
+    def worst_difference(result):
+        return max((grad - references[0]["grads"][name]).abs().max().item() for name, grad in result["grads"].items())
+    per_micro_batch, mtp_by_count = one[-2:]
+    assert worst_difference(per_micro_batch) > 100 * TOKEN_BUDGET_GRAD_ATOL
+    assert worst_difference(mtp_by_count) > 100 * TOKEN_BUDGET_GRAD_ATOL
+    assert references[0]["grads"]["mtp.layers.0.eh_proj.weight"].abs().max() > 1e-3
+
+
 def test_trainer_bf16_step_learns_and_its_hf_save_reloads_bit_exact(tiny_checkpoint, tmp_path):
     """bf16 weights, fp32 master copies in megatron's optimizer; on the GPU when there is one."""
     result, = run_in_processes(_train_steps, args=(tiny_checkpoint, "bfloat16", str(tmp_path / "saved")))
@@ -4530,10 +4772,10 @@ def test_rollout_prompt_ids_are_the_templated_tokens_vllm_sampled_from_and_megat
 TRAIN_MISMATCH_BOUND = 1e-4  # vLLM vs Megatron log-prob of the sampled tokens, fp32
 
 
-def _settings(given=()):
-    """train_grpo's resolved settings for `given`: what a run with them uses."""
+def _settings(given=(), world_size=1):
+    """train_grpo's resolved settings for `given`: what a run of `world_size` processes with them uses."""
     args = flags.parse_args(list(given))
-    return flags.resolve(args, flags.model_config(args))
+    return flags.resolve(args, flags.model_config(args), world_size)
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -5532,16 +5774,51 @@ def test_flags_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uni
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
-    assert flags.resume_flag_changes(directory, _settings(same)) == ""
-    assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"])) == \
+    assert flags.resume_flag_changes(directory, _settings(same, world_size=2)) == ""
+    assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"], world_size=2)) == \
         "--steps 8 (was 5), --lr 0.0001 (was 0.0003)"
     with pytest.raises(SystemExit) as refused:
-        flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg",
-                                                                    "seq-mean-token-sum", "--lr", "1e-4"]))
+        flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg", "seq-mean-token-sum",
+                                                               "--lr", "1e-4"], world_size=2))
     assert str(refused.value.code) == (
         f"train_grpo.py: --resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
         "and another --out")
+
+
+def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(uninterrupted_run, tmp_path):
+    # On where data-parallel size > 1 (the default run's 2 processes), off at DP 1 or when asked.
+    assert _settings(world_size=2).distributed_optimizer and not _settings(world_size=1).distributed_optimizer
+    assert not _settings(["--tp", "2"], world_size=2).distributed_optimizer
+    assert not _settings(["--no-distributed-optimizer"], world_size=2).distributed_optimizer
+    assert _settings().max_tokens_per_micro_batch == 0
+    assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512"]), 2) == []
+    assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512", "--micro-batches", "2",
+                                                 "--cp", "2"]), 2) == [
+        "--max-tokens-per-micro-batch 512 with --micro-batches 2: the token budget decides how many micro-batches; "
+        "expected one of the two",
+        "--max-tokens-per-micro-batch 512 with --cp 2: token-budget micro-batches are not built for context "
+        "parallelism (each sequence padded and split over the CP ranks); expected --cp 1 or --micro-batches"]
+    # Resuming: the budget may change (the same loss), the optimizer's kind may not.
+    out = uninterrupted_run[0]
+    directory = os.path.join(out, "checkpoints", "step_000005")
+    same = ["--out", out, *SHORT_RUN]
+    assert flags.resume_flag_changes(directory, _settings(same + ["--max-tokens-per-micro-batch", "64"], 2)) == \
+        "--max-tokens-per-micro-batch 64 (was 0)"
+    with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer False \(was True\)"):
+        flags.resume_flag_changes(directory, _settings(same + ["--no-distributed-optimizer"], 2))
+    # The default run's checkpoint holds each rank's shard.
+    assert list(torch.load(os.path.join(directory, "rank1.pt"), weights_only=True)["optimizer"]) == [
+        trainer.DISTRIBUTED_SHARDS]
+    # A checkpoint saved before the flag existed holds the plain optimizer's state.
+    older = tmp_path / "step_000005"
+    older.mkdir()
+    meta = checkpoint.read_meta(directory)
+    del meta["flags"]["distributed_optimizer"]
+    (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer True \(was False\)"):
+        flags.resume_flag_changes(str(older), _settings(same, 2))
+    assert flags.resume_flag_changes(str(older), _settings(same + ["--no-distributed-optimizer"], 2)) == ""
 
 
 def _optimizer_after_resume(checkpoint_dir, directory):

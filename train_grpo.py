@@ -67,7 +67,7 @@ import spec_config  # noqa: E402
 import tasks  # noqa: E402
 import tiny_model  # noqa: E402
 import trainer  # noqa: E402
-from cpu_backend import cuda_on_cpu, init_distributed, init_model_parallel  # noqa: E402
+from cpu_backend import init_distributed, init_model_parallel  # noqa: E402
 from flags import usage_error  # noqa: E402
 
 # The built-in models are written once, here, and reused by every later run.
@@ -407,8 +407,10 @@ def load_state(directory, policy, engines, rank, lr):
     weights when they are next used."""
     state = checkpoint.load_rank_state(directory, rank)
     policy.model.load_state_dict(state["model"])
-    with cuda_on_cpu():
-        policy.optimizer.load_state_dict(state["optimizer"])
+    try:
+        trainer.load_optimizer_state(policy.optimizer, state["optimizer"])
+    except ValueError as error:
+        raise usage_error(f"checkpoint {directory}: {error}") from None
     for group in policy.optimizer.param_groups:
         group["lr"] = lr
     tuner = state.get("draft_tuner")
@@ -422,7 +424,8 @@ def load_state(directory, policy, engines, rank, lr):
 def save_state(run, step, tuner_state=None):
     """Every rank's checkpoint of the run after `step`; `tuner_state` is auto's tuner's
     state then, where the tuner has moved on since (default: its state now)."""
-    state = {"model": run.policy.model.state_dict(), "optimizer": run.policy.optimizer.state_dict(), "step": step}
+    state = {"model": run.policy.model.state_dict(), "optimizer": trainer.optimizer_state(run.policy.optimizer),
+             "step": step}
     if run.engines.tuner is not None:
         # Its tries and acceptance: the resumed run drafts as the uninterrupted one would.
         state["draft_tuner"] = tuner_state or run.engines.tuner.state_dict()
@@ -519,7 +522,9 @@ def run_step(run, step):
         samples, rewards, acceptance, sampling = sample_batch(run, step, examples_now, run.params)
     # The policy loss on this data-parallel rank's share
     with timer("train"):
-        train_sums = trainer.train(policy, samples[dp_rank * per_rank:(dp_rank + 1) * per_rank], run.train_config)
+        # Counted micro-batches: each rank its own slice; by tokens, the trainer splits every rank's.
+        share = samples if s.max_tokens_per_micro_batch else samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        train_sums = trainer.train(policy, share, run.train_config)
     # Sync: the new weights, MTP draft included, into vLLM
     with timer("sync"):
         sync_weights(engines, policy, step)

@@ -21,6 +21,7 @@ megatron_model and hf_weights.
 
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import math
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 import grpo_loss
@@ -43,6 +44,8 @@ ADAM_EPS = 1e-8
 # default size.
 MIN_GRAD_BUCKETS = 4
 MAX_GRAD_BUCKET_ELEMENTS = 40_000_000
+# optimizer_state's key for the distributed optimizer's per-rank shards.
+DISTRIBUTED_SHARDS = "distributed_shards"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,12 @@ class TrainConfig:
     # "sampled": on the walk task both accepted alike (docs/RESULTS.md), and "policy" costs
     # one more output-layer pass per forward.
     mtp_target: str = "sampled"
+    # ZeRO-1: each data-parallel rank keeps 1/DP of the fp32 main weights and Adam states
+    # (megatron-core's DistributedOptimizer; the experts' over their own data-parallel group).
+    distributed_optimizer: bool = False
+    # 0: --micro-batches counts the micro-batches; N: each rank's micro-batches hold at most
+    # N tokens (a longer sequence alone), the batch split over data-parallel ranks by tokens.
+    max_tokens_per_micro_batch: int = 0
     loss: grpo_loss.LossConfig = grpo_loss.LossConfig()
 
 
@@ -86,10 +95,12 @@ class Policy:
     reference: torch.nn.Module = None
 
 
-def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True):
+def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True, distributed=False):
     """megatron-core's DDP wrapper (bucketed gradient all-reduce over data x context
     parallel ranks into fp32 `main_grad` buffers) and its Adam (fp32 master weights for a
     bf16 model, global gradient-norm clipping); returns (ddp_model, optimizer).
+    `distributed`: megatron's DistributedOptimizer (ZeRO-1): gradients reduce-scattered,
+    each data-parallel rank updating its 1/DP of the weights, the weights all-gathered.
 
     Freeze parameters before calling: DDP allocates buffers for the trainable ones only.
     Wrap a model once: megatron's DDP leaves its backward hooks on the parameters.
@@ -99,15 +110,15 @@ def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True):
     trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
     bucket_size = min(MAX_GRAD_BUCKET_ELEMENTS, math.ceil(trainable / MIN_GRAD_BUCKETS))
     ddp_model = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=False, overlap_grad_reduce=overlap_grad_reduce,
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size))
     config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99,
                              adam_eps=ADAM_EPS, clip_grad=grad_clip, bf16=model.config.bf16,
-                             params_dtype=model.config.params_dtype)
+                             params_dtype=model.config.params_dtype, use_distributed_optimizer=distributed)
     with cuda_on_cpu():
         optimizer = get_megatron_optimizer(config, [ddp_model])
     # Expert parallelism gives the experts an optimizer of their own: megatron chains them.
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in optimizer_parts(optimizer):
         inner = getattr(part, "optimizer", None)
         if isinstance(inner, torch.optim.Adam) and not torch.cuda.is_available():
             # Without apex or Transformer Engine megatron-core builds torch's Adam with its
@@ -115,6 +126,60 @@ def build_optimizer(model, lr, grad_clip, overlap_grad_reduce=True):
             for group in inner.param_groups:
                 group.update(fused=True, foreach=False)
     return ddp_model, optimizer
+
+
+def optimizer_parts(optimizer):
+    """The optimizers megatron chains (expert parallelism gives the experts their own), or [optimizer]."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def is_distributed(optimizer):
+    """Whether `optimizer` (build_optimizer's) is megatron's DistributedOptimizer (ZeRO-1)."""
+    return any(isinstance(part, DistributedOptimizer) for part in optimizer_parts(optimizer))
+
+
+def optimizer_state(optimizer):
+    """What a checkpoint keeps of `optimizer` on this rank. The plain optimizer: its
+    state_dict (every weight's Adam state and fp32 main weight). The distributed one: this
+    rank's shard, as {"distributed_shards": [per chained optimizer: {"adam": its torch Adam's
+    state_dict (step, exp_avg, exp_avg_sq of the shard), "main_params": [fp32 shard
+    tensors]}]}. megatron's own path (`state_dict` + `save_parameter_state`) gathers every
+    shard on data-parallel rank 0 and allocates on CUDA; each rank here saves its own file."""
+    if not is_distributed(optimizer):
+        return optimizer.state_dict()
+    return {DISTRIBUTED_SHARDS: [{"adam": part.optimizer.state_dict(),
+                                  "main_params": [param.detach().clone() for param in _main_params(part)]}
+                                 for part in optimizer_parts(optimizer)]}
+
+
+def _main_params(part):
+    """The fp32 main weights one chained optimizer updates, in its torch Adam's order."""
+    return [param for group in part.optimizer.param_groups for param in group["params"]]
+
+
+def load_optimizer_state(optimizer, state):
+    """Restore `optimizer_state`'s `state` into `optimizer` (built as the saved one was: the
+    same layout and flags); a state of the other kind, or a shard of other sizes, is a
+    ValueError naming what differs, before anything is loaded."""
+    saved_distributed = isinstance(state, dict) and DISTRIBUTED_SHARDS in state
+    if saved_distributed != is_distributed(optimizer):
+        raise ValueError(f"the checkpoint holds a {'distributed' if saved_distributed else 'plain'} optimizer's "
+                         f"state and this run builds a {'distributed' if is_distributed(optimizer) else 'plain'} "
+                         "one; resume with the --distributed-optimizer setting it was saved with")
+    if not saved_distributed:
+        with cuda_on_cpu():
+            optimizer.load_state_dict(state)
+        return
+    parts, shards = optimizer_parts(optimizer), state[DISTRIBUTED_SHARDS]
+    sizes = [[param.numel() for param in _main_params(part)] for part in parts]
+    saved_sizes = [[tensor.numel() for tensor in shard["main_params"]] for shard in shards]
+    if sizes != saved_sizes:
+        raise ValueError(f"the checkpoint's optimizer shard holds {saved_sizes} elements per tensor, this rank's "
+                         f"{sizes}; resume with the layout it was saved with")
+    for part, shard in zip(parts, shards):
+        part.optimizer.load_state_dict(shard["adam"])
+        for param, saved in zip(_main_params(part), shard["main_params"]):
+            param.data.copy_(saved)
 
 
 def build_policy(model_dir, config):
@@ -134,7 +199,8 @@ def build_policy(model_dir, config):
         # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
         # only while the final norm's weight is uniform. Keep it as it is.
         model.decoder.final_layernorm.weight.requires_grad_(False)
-    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip), reference)
+    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip,
+                                          distributed=config.distributed_optimizer), reference)
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,15 +259,95 @@ def forward_options(samples, config, device, routing=True):
     return options
 
 
+def loss_tokens(samples):
+    """The response tokens of `samples` that count in the loss (not those of a completion
+    --overlong-filter keeps out)."""
+    return sum(len(s["response_ids"]) for s in samples if s.get("in_loss", True))
+
+
+def karmarkar_karp(costs, parts):
+    """Indices into `costs` split into `parts` lists of near-equal cost sums: the largest
+    differencing method (Karmarkar-Karp), as verl's seqlen_balancing. Each partial solution
+    is `parts` (sum, indices) subsets, largest first; the two of largest spread merge, the
+    largest subset of one with the smallest of the other. Each list in ascending order; one
+    may be empty where there are fewer costs than parts."""
+    tie = itertools.count()
+    heap = [(-cost, next(tie), [(cost, [index])] + [(0, [])] * (parts - 1)) for index, cost in enumerate(costs)]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        first, second = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        merged = sorted(((a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second))), key=lambda x: -x[0])
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], next(tie), merged))
+    subsets = heap[0][2] if heap else [(0, [])] * parts
+    return [sorted(indices) for _, indices in subsets]
+
+
+def fill_micro_batches(costs, budget, count=1):
+    """Indices into `costs` in at least `count` bins of at most `budget` cost each: first fit,
+    costliest first (a cost over the budget alone in its bin); then, while fewer than
+    `count`, the costliest bin of several items splits in two (Karmarkar-Karp). Fewer than
+    `count` bins only where there are fewer items."""
+    bins, loads = [], []
+    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        fits = next((b for b, load in enumerate(loads) if load + costs[index] <= budget), None)
+        if fits is None:
+            bins.append([])
+            loads.append(0)
+            fits = len(bins) - 1
+        bins[fits].append(index)
+        loads[fits] += costs[index]
+    while len(bins) < count and any(len(b) > 1 for b in bins):
+        costliest = max((b for b in bins if len(b) > 1), key=lambda b: sum(costs[i] for i in b))
+        bins.remove(costliest)
+        bins += [[costliest[i] for i in half] for half in karmarkar_karp([costs[i] for i in costliest], 2)]
+    return [sorted(b) for b in bins]
+
+
+def token_budget_micro_batches(samples, budget, shared_prefix, dp_size):
+    """A mini-batch (`samples`: every data-parallel rank's) -> [per data-parallel rank: its
+    micro-batches, lists of samples], by tokens: the units (a sample, or with
+    `shared_prefix` a whole group) go to ranks by Karmarkar-Karp on their tokens (prompt
+    once per group under shared_prefix, every response), then fill micro-batches of at most
+    `budget` tokens (a longer unit alone). Every rank gets as many micro-batches (megatron's
+    DDP and the collectives of each forward need it): a rank with fewer units than that
+    runs the smallest unit again, out of the loss ("in_loss" False: zero weight)."""
+    key = (lambda i: samples[i]["group"]) if shared_prefix else (lambda i: i)
+    units = [list(run) for _, run in itertools.groupby(range(len(samples)), key=key)]
+    costs = [len(samples[unit[0]]["prompt_ids"]) * (1 if shared_prefix else len(unit))
+             + sum(len(samples[i]["response_ids"]) for i in unit) for unit in units]
+    ranks = karmarkar_karp(costs, dp_size)
+    rank_costs = [[costs[unit] for unit in rank] for rank in ranks]
+    count = max(len(fill_micro_batches(unit_costs, budget)) for unit_costs in rank_costs)
+    bins = [[[rank[b] for b in bin_] for bin_ in fill_micro_batches(unit_costs, budget, count)]
+            for rank, unit_costs in zip(ranks, rank_costs)]
+    smallest = min(range(len(units)), key=lambda u: costs[u])
+    filler = [dict(samples[i], in_loss=False) for i in units[smallest]]
+    return [[[samples[i] for unit in bin_ for i in units[unit]] for bin_ in rank_bins]
+            + [filler] * (count - len(rank_bins)) for rank_bins in bins]
+
+
+def rank_micro_batches(samples, config):
+    """This rank's micro-batches of one mini-batch: `samples` (this rank's) in
+    config.micro_batches equal counts, or with config.max_tokens_per_micro_batch
+    (`samples`: every rank's) by tokens (`token_budget_micro_batches`)."""
+    if config.max_tokens_per_micro_batch:
+        return token_budget_micro_batches(samples, config.max_tokens_per_micro_batch, config.shared_prefix,
+                                          parallel_state.get_data_parallel_world_size())[
+            parallel_state.get_data_parallel_rank()]
+    per_micro = len(samples) // config.micro_batches
+    return [samples[start:start + per_micro] for start in range(0, len(samples), per_micro)]
+
+
 @torch.no_grad()
 def record_old_logprobs(policy, samples, config):
     """Set each sample's "old_logprobs" ([response length] fp32, on the host): its response
     log-probs under the current weights, the policy that sampled it, at Megatron's numerics.
-    One no-grad forward per micro-batch, before the first update."""
-    per_micro = len(samples) // (config.mini_batches * config.micro_batches)
+    One no-grad forward per micro-batch, before the first update (with
+    max_tokens_per_micro_batch `samples` are every rank's, each rank recording its own)."""
+    per_mini = len(samples) // config.mini_batches
     device = next(policy.model.parameters()).device
-    for start in range(0, len(samples), per_micro):
-        micro = samples[start:start + per_micro]
+    for micro in (micro for start in range(0, len(samples), per_mini)
+                  for micro in rank_micro_batches(samples[start:start + per_mini], config)):
         input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
         logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
                                     temperature=config.temperature, gather=True,
@@ -210,9 +356,10 @@ def record_old_logprobs(policy, samples, config):
             sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
 
 
-def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums):
+def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums, mtp_share=None):
     """Forward one micro-batch; returns its loss (a scalar: its share of the global mean)
-    and adds its metric sums (over this rank's tokens) into `sums` by name."""
+    and adds its metric sums (over this rank's tokens) into `sums` by name. `mtp_share`:
+    its MTP loss's weight in the global mean (None: 1 / (micro-batches x DP))."""
     device = next(policy.model.parameters()).device
     input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = pack_micro_batch(samples, device)
     weights = grpo_loss.token_weights(loss_mask, seqlens, config.loss.loss_agg, num_sequences, num_tokens)
@@ -244,7 +391,10 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums):
         loss = loss + config.loss.kl_coef * (k3 * local_weights).sum()
         sums["kl_to_reference"] += float((k3 * local_mask).sum())
     sums["total_loss"] += float(loss.detach())
-    sums["mtp_loss"] += float(out.mtp_loss) / config.micro_batches if out.mtp_loss is not None else 0.0
+    if out.mtp_loss is not None:
+        # Per rank as a share of its data-parallel rank's mean (reduce_metrics averages them).
+        sums["mtp_loss"] += (float(out.mtp_loss) / config.micro_batches if mtp_share is None else
+                             float(out.mtp_loss) * mtp_share * parallel_state.get_data_parallel_world_size())
     sums["rollout_masked_fraction"] += float(((1 - kept) * local_mask).sum())
     add_token_metrics(sums, out, old_logprobs, local_rollout, acted, local_mask)
     return loss
@@ -285,35 +435,53 @@ def add_token_metrics(sums, out, old_logprobs, rollout_logprobs, acted, mask):
         sums["routed_tokens"] += float(known.sum())
 
 
-def train_step(policy, samples, config):
-    """One optimizer step on this data-parallel rank's share of a mini-batch; returns the
-    metric sums of this rank by name (see `combine_steps`, `reduce_metrics`) and the
-    global grad_norm."""
+def step_normalisation(samples, config, device):
+    """(this rank's micro-batches, the mini-batch's sequence count, its loss-token count [1]
+    fp32, each micro-batch's share of the MTP loss or None) of one optimizer step. The
+    policy loss is normalised by the global counts (token_weights), whatever the split.
+    megatron's MTP loss is a mean per micro-batch: counted micro-batches weigh each the
+    same (1 / (micro-batches x DP), set here); micro-batches by tokens weigh each by its
+    share of the loss tokens, so that every token weighs the same (exact where every
+    prompt is longer than the MTP depth: then each depth counts the response tokens)."""
     dp_size = parallel_state.get_data_parallel_world_size()
-    per_micro = len(samples) // config.micro_batches
-    device = next(policy.model.parameters()).device
-    num_tokens = torch.tensor([float(sum(len(s["response_ids"]) for s in samples if s.get("in_loss", True)))],
-                              device=device)
+    micro_batches = rank_micro_batches(samples, config)
+    if config.max_tokens_per_micro_batch:
+        # Every rank holds the whole mini-batch: its counts need no collective.
+        total = max(loss_tokens(samples), 1)
+        shares = [loss_tokens(micro) / total for micro in micro_batches]
+        return micro_batches, len(samples), torch.tensor([float(total)], device=device), shares
+    num_tokens = torch.tensor([float(loss_tokens(samples))], device=device)
     dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group())
     # Every completion filtered out (--overlong-filter): a loss of 0, not 0 / 0.
     num_tokens.clamp_(min=1)
     # The MTP loss is a mean per micro-batch and rank; gradients are summed over both.
     MTPLossAutoScaler.set_loss_scale(torch.tensor(config.mtp_loss_scale / (config.micro_batches * dp_size), device=device))
+    return micro_batches, len(samples) * dp_size, num_tokens, [None] * len(micro_batches)
+
+
+def train_step(policy, samples, config):
+    """One optimizer step on this data-parallel rank's share of a mini-batch (with
+    max_tokens_per_micro_batch `samples` are every rank's, split by tokens); returns the
+    metric sums of this rank by name (see `combine_steps`, `reduce_metrics`) and the
+    global grad_norm."""
+    device = next(policy.model.parameters()).device
+    micro_batches, num_sequences, num_tokens, mtp_shares = step_normalisation(samples, config, device)
     policy.ddp_model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
-    for start in range(0, len(samples), per_micro):
-        loss = micro_batch_loss(policy, samples[start:start + per_micro], len(samples) * dp_size, num_tokens,
-                                config, sums)
+    for index, (micro, mtp_share) in enumerate(zip(micro_batches, mtp_shares)):
+        if mtp_share is not None:
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(config.mtp_loss_scale * mtp_share, device=device))
+        loss = micro_batch_loss(policy, micro, num_sequences, num_tokens, config, sums, mtp_share)
         # Every rank stops together, before the optimizer touches the weights: the last
         # checkpoint on disk stays the last good one.
         finite = torch.isfinite(loss.detach()).float().view(1)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
-            raise FloatingPointError(f"non-finite loss at micro-batch {start // per_micro} (this rank: "
+            raise FloatingPointError(f"non-finite loss at micro-batch {index} (this rank: "
                                      f"{loss.item()}); stopping with the last checkpoint in --out intact")
         # The all-reduce starts during the last micro-batch's backward, once its gradients are summed.
-        last = start + per_micro >= len(samples)
+        last = index == len(micro_batches) - 1
         with contextlib.nullcontext() if last else policy.ddp_model.no_sync():
             loss.backward()
     policy.ddp_model.finish_grad_sync()
@@ -355,8 +523,9 @@ def sum_tensor_parallel_partial_grads(model, attribute="grad"):
 
 
 def train(policy, samples, config):
-    """The train phase: --ppo-epochs passes over this rank's samples, each in --mini-batches
-    optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
+    """The train phase: --ppo-epochs passes over this rank's samples (with
+    max_tokens_per_micro_batch every rank's, each mini-batch split by tokens), each in
+    --mini-batches optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
     if config.ppo_epochs * config.mini_batches > 1:
         # Every step after the first sees moved weights: its ratio must be against the
         # policy that sampled the batch.
