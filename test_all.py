@@ -47,6 +47,7 @@ import forward
 import grpo_loss
 import hf_weights
 import megatron_model
+import memory_plan
 import mtp_matrix
 import mtp_patch
 import rollout
@@ -5896,3 +5897,71 @@ def test_setup_gpu_stack_names_what_the_te_build_lacks_before_installing(setup_s
     assert "NVIDIA's PyTorch container" in done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("setup.sh: Transformer Engine cannot compile here: ") and missing in last
+
+
+# ---------------------------------------------------------------------------------------
+# memory_plan.py: the plan's bytes against a built model and optimizer, and a step's peak
+# ---------------------------------------------------------------------------------------
+
+# (built-in model, tp, ep, bf16) in one 4-process run: dp 4 or 2, experts over an expert-dp of 2.
+PLAN_LAYOUTS = [("tiny", 1, 1, False), ("tiny", 2, 1, True), ("deepseek", 1, 2, False), ("deepseek", 2, 1, True)]
+# The activation estimate against a train step's measured peak increase (docs/SCALE.md).
+PLAN_ACTIVATION_TOLERANCE = 0.25
+
+
+def _held_bytes(layouts):
+    """For each (built-in model, tp, ep, bf16): the parameters' names and shapes on this rank,
+    and the bytes the model, megatron DDP's gradient buffers and the optimizer hold once
+    the optimizer has stepped (Adam's states exist from the first step)."""
+    import trainer
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    held = []
+    for name, tp, ep, bf16 in layouts:
+        cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, seed=0)
+        model = build_gpt_model(tiny_model.builtin_config(name)[1], tensor_parallel=tp, expert_parallel=ep,
+                                params_dtype=torch.bfloat16 if bf16 else torch.float32)
+        # trainer.build_policy's freeze while vLLM drafts with the trained MTP head.
+        model.decoder.final_layernorm.weight.requires_grad_(False)
+        ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False)
+        ddp_model.zero_grad_buffer()
+        with cpu_backend.cuda_on_cpu():
+            optimizer.step()
+        parts = getattr(optimizer, "chained_optimizers", [optimizer])
+        states = [tensor for part in parts for state in part.optimizer.state.values() for tensor in state.values()]
+        main = [param for part in parts for group in getattr(part, "fp32_from_float16_groups", []) for param in group]
+        held.append({
+            "shapes": {key: tuple(param.shape) for key, param in model.named_parameters()},
+            "weights": sum(param.numel() * param.element_size() for param in model.parameters()),
+            "gradients": sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
+                             for buffer in ddp_model.buffers + ddp_model.expert_parallel_buffers),
+            "main_weights": sum(param.numel() * param.element_size() for param in main),
+            "optimizer_states": sum(tensor.numel() * tensor.element_size() for tensor in states)})
+    return held
+
+
+def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_rank():
+    """Weights, fp32 gradient buffers, fp32 main weights and Adam's states (m, v and a step
+    per tensor), exactly, on every rank of 4 layouts (MiMo at TP 1 and 2, DeepSeek at EP 2
+    and TP 2; fp32 and bf16); the tensor list name for name."""
+    held = run_in_processes(_held_bytes, world_size=4, args=(PLAN_LAYOUTS,))
+    for index, (name, tp, ep, bf16) in enumerate(PLAN_LAYOUTS):
+        hf_config = tiny_model.builtin_config(name)[1]
+        config = memory_plan.PlanConfig(world_size=4, tp=tp, ep=ep, bf16=bf16)
+        planned = memory_plan.model_state_bytes(hf_config, config)
+        if bf16:
+            # Without Transformer Engine (CPU) the norms are torch's, built in fp32: 2 bytes
+            # more each, and no fp32 main copy. Transformer Engine's are bf16, as planned.
+            norms = sum(math.prod(shape) for key, shape in memory_plan.megatron_tensors(hf_config, tp, ep).items()
+                        if key.endswith("norm.weight"))
+            frozen = math.prod(memory_plan.megatron_tensors(hf_config, tp, ep)["decoder.final_layernorm.weight"])
+            planned = dict(planned, weights=planned["weights"] + 2 * norms,
+                           main_weights=planned["main_weights"] - 4 * (norms - frozen))
+        print(name, tp, ep, bf16, planned)
+        for rank in range(4):
+            assert held[rank][index]["shapes"] == memory_plan.megatron_tensors(hf_config, tp, ep)
+            for part in ("weights", "gradients", "main_weights", "optimizer_states"):
+                assert held[rank][index][part] == planned[part], (name, tp, ep, part, rank)
+    # A mutant that forgets the frozen norm (its gradient buffer and Adam states) is caught.
+    mutant = memory_plan.model_state_bytes(hf_config, dataclasses.replace(config, mtp_rollout=False))
+    assert mutant["gradients"] != held[0][-1]["gradients"]

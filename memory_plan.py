@@ -2,7 +2,7 @@
 
     config = PlanConfig(world_size=8, tp=2, bf16=True, micro_batch_tokens=16384,
                         device_memory=parse_bytes("80GB"))
-    plan = memory_plan(hf_config, config)         # bytes by part, per device
+    plan = device_plan(hf_config, config)         # bytes by part, per device
     print(format_plan(plan))                       # the table, whether it fits, what to change
 
 No process group, no model, no torch: the standard library and a config.json dict (MiMo /
@@ -312,7 +312,7 @@ def rollout_engines(hf_config, config):
     return engines
 
 
-def memory_plan(hf_config, config):
+def device_plan(hf_config, config):
     """The plan of the busiest pipeline stage: a dict of bytes per device ("weights",
     "gradients", "main_weights", "optimizer_states", "reference_weights", "activations",
     "train_phase", "rollout_phase", "total"), "engines" (`rollout_engines`), "stage",
@@ -366,7 +366,7 @@ def what_to_change(hf_config, config, most=4):
     every engine keeping some KV cache; the flags are [] and the plan None where none helps."""
     flags, current = [], config
     for _ in range(most):
-        options = [(memory_plan(hf_config, changed), flag, changed) for flag, changed in _candidates(hf_config, current)]
+        options = [(device_plan(hf_config, changed), flag, changed) for flag, changed in _candidates(hf_config, current)]
         options = [option for option in options if all(kv > 0 for _, _, kv, _ in option[0]["engines"])]
         if not options:
             break
@@ -402,7 +402,9 @@ def format_plan(plan, hf_config=None):
             notes[len(rows) - 1] = f"  {kv // per_token} tokens of {per_token} bytes"
     rows += [("train phase (vLLM asleep)", plan["train_phase"]), ("rollout phase (vLLM awake)", plan["rollout_phase"]),
              ("peak", plan["total"])]
-    lines = [f"memory plan per device: {plan['parameters'] / 1e9:.2f}B parameters; world {c.world_size} = tp {c.tp} x "
+    count = plan["parameters"]
+    parameters = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+    lines = [f"memory plan per device: {parameters} parameters; world {c.world_size} = tp {c.tp} x "
              f"cp {c.cp} x pp {c.pp} x dp {plan['dp'] // c.cp}; experts ep {c.ep} x expert-dp {plan['expert_dp']}"
              f"{stage}"]
     lines += [f"  {label:<44}{count / 1e9:9.2f} GB{notes.get(index, '')}" for index, (label, count) in enumerate(rows)]
