@@ -5965,3 +5965,70 @@ def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_ran
     # A mutant that forgets the frozen norm (its gradient buffer and Adam states) is caught.
     mutant = memory_plan.model_state_bytes(hf_config, dataclasses.replace(config, mtp_rollout=False))
     assert mutant["gradients"] != held[0][-1]["gradients"]
+
+
+def _step_peak_increase(checkpoints, sequences, length):
+    """The peak increase of allocated host memory over one train step (after one step that
+    made Adam's states), per checkpoint: torch.profiler's allocation events carry the bytes
+    allocated since the profile began (`total_allocated`); their maximum is the peak. On
+    CPU torch allocates without a cache, so every tensor's bytes count when it is live."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    import trainer
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    generator, peaks = torch.Generator().manual_seed(0), []
+    samples = [{"prompt_ids": torch.randint(3, 100, (8,), generator=generator).tolist(),
+                "response_ids": torch.randint(3, 100, (length - 8,), generator=generator).tolist(),
+                "advantages": torch.full((length - 8,), 1.0 if index % 2 else -1.0),
+                "rollout_logprobs": [-1.0] * (length - 8), "group": index // 4} for index in range(sequences)]
+    for checkpoint in checkpoints:
+        config = trainer.TrainConfig(lr=1e-4)
+        policy = trainer.build_policy(checkpoint, config)
+        trainer.train_step(policy, samples, config)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+            trainer.train_step(policy, samples, config)
+
+        def events(nodes):
+            for node in nodes:
+                yield node
+                yield from events(node.children)
+        peaks.append(max(node.extra_fields.total_allocated
+                         for node in events(profiled.profiler.kineto_results.experimental_event_tree())
+                         if node.tag == _EventType.Allocation))
+    return peaks
+
+
+def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_peak(tiny_checkpoint):
+    """The activation estimate of one micro-batch of 1024 tokens (8 x 128) against the
+    measured peak increase of a train step of the MiMo model, fp32 on CPU (DeepSeek's,
+    MLA and MoE, measured the same way: docs/SCALE.md)."""
+    peak = run_in_processes(_step_peak_increase, args=([tiny_checkpoint], 8, 128))[0][0]
+    config = memory_plan.PlanConfig(bf16=False, micro_batch_tokens=8 * 128)
+    planned = memory_plan.activation_bytes(tiny_model.builtin_config("tiny")[1], config)
+    print(f"planned {planned} bytes, measured peak increase {peak} ({planned / peak - 1:+.1%})")
+    assert abs(planned / peak - 1) < PLAN_ACTIVATION_TOLERANCE
+    # A plan that split the micro-batch once too often (half its tokens) is caught.
+    halved = memory_plan.activation_bytes(tiny_model.builtin_config("tiny")[1],
+                                          dataclasses.replace(config, micro_batch_tokens=4 * 128))
+    assert abs(halved / peak - 1) > PLAN_ACTIVATION_TOLERANCE
+
+
+def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
+    """MiMo-7B-RL (published size) at TP 1 on 8 x 80GB does not fit; the plan names flags
+    after which it does, and that plan fits. Sizes parse in GB and GiB; bad ones are named."""
+    hf_config = tiny_model.PUBLISHED_CONFIGS["mimo-7b-rl"][0]
+    config = memory_plan.PlanConfig(world_size=8, micro_batch_tokens=8192,
+                                    device_memory=memory_plan.parse_bytes("80GB"))
+    plan = memory_plan.device_plan(hf_config, config)
+    assert 7.8e9 < plan["parameters"] < 7.9e9 and not plan["fits"]
+    # bf16 weights 2 bytes, fp32 gradients, main weights, m and v 16 more: 18 per parameter.
+    assert plan["weights"] + plan["gradients"] + plan["main_weights"] + plan["optimizer_states"] == pytest.approx(
+        18 * plan["parameters"], rel=1e-3)
+    changes, fitting = memory_plan.what_to_change(hf_config, config)
+    assert changes and fitting["fits"] and fitting["total"] <= 80e9
+    assert "to fit: " + " and ".join(changes) in memory_plan.format_plan(plan, hf_config)
+    assert memory_plan.parse_bytes("141GB") == 141 * 10**9 and memory_plan.parse_bytes("96GiB") == 96 * 2**30
+    with pytest.raises(ValueError, match="'80 GBs': expected a positive size"):
+        memory_plan.parse_bytes("80 GBs")
