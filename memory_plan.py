@@ -270,7 +270,8 @@ def activation_bytes(hf_config, config, stage=0):
     c, h = config, hf_config["hidden_size"]
     tokens = c.micro_batch_tokens / c.cp
     element = BF16 if c.bf16 else FP32
-    per_token = sum(activation_elements_per_token(hf_config, layer, c) for layer in stage_layers(hf_config, c.pp, stage))
+    layers = stage_layers(hf_config, c.pp, stage)
+    per_token = sum(activation_elements_per_token(hf_config, layer, c) for layer in layers)
     in_flight = c.pp - stage
     if stage == c.pp - 1:
         mtp_layers = hf_config.get("num_nextn_predict_layers", 0) if c.mtp_train else 0
@@ -333,8 +334,9 @@ def device_plan(hf_config, config):
                            rollout_phase=persistent + vllm, total=max(persistent + activations, persistent + vllm)))
     plan = max(stages, key=lambda entry: entry["total"])
     dp, expert_dp = data_parallel_sizes(config)
+    whole = megatron_tensors(hf_config, mtp=config.mtp_train)
     plan.update(engines=engines, dp=dp, expert_dp=expert_dp, config=config,
-                parameters=sum(math.prod(shape) for shape in megatron_tensors(hf_config, mtp=config.mtp_train).values()),
+                parameters=sum(math.prod(shape) for shape in whole.values()),
                 fits=None if config.device_memory is None else plan["total"] <= config.device_memory)
     return plan
 
@@ -366,7 +368,8 @@ def what_to_change(hf_config, config, most=4):
     every engine keeping some KV cache; the flags are [] and the plan None where none helps."""
     flags, current = [], config
     for _ in range(most):
-        options = [(device_plan(hf_config, changed), flag, changed) for flag, changed in _candidates(hf_config, current)]
+        options = [(device_plan(hf_config, changed), flag, changed)
+                   for flag, changed in _candidates(hf_config, current)]
         options = [option for option in options if all(kv > 0 for _, _, kv, _ in option[0]["engines"])]
         if not options:
             break
