@@ -6032,3 +6032,36 @@ def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
     assert memory_plan.parse_bytes("141GB") == 141 * 10**9 and memory_plan.parse_bytes("96GiB") == 96 * 2**30
     with pytest.raises(ValueError, match="'80 GBs': expected a positive size"):
         memory_plan.parse_bytes("80 GBs")
+    # vLLM's KV cache per token, as the engines' context check (flags) counts it.
+    for name in ("mimo-7b-rl", "glm-4.5-air", "deepseek-v3"):
+        for rollout_tp, bf16 in ((1, True), (4, False)):
+            expected = flags.kv_cache_bytes_per_token(SimpleNamespace(mtp_rollout=True, rollout_tp=rollout_tp,
+                                                                      bf16=bf16), tiny_model.PUBLISHED_CONFIGS[name][0])
+            assert memory_plan.kv_bytes_per_token(tiny_model.PUBLISHED_CONFIGS[name][0], memory_plan.PlanConfig(
+                rollout_tp=rollout_tp, bf16=bf16), drafting=True) == expected
+
+
+def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_path):
+    """--plan for the built-in deepseek model at --tp 2 --ep 2 on a world of 8: the plan per
+    device, exit 0, no process group (no torchrun), nothing written to --out."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "train_grpo.py", "--plan", "--builtin-model", "deepseek", "--tp", "2",
+                           "--ep", "2", "--plan-world-size", "8", "--device-memory", "1GB", "--out", str(out)],
+                          cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr
+    hf_config = tiny_model.builtin_config("deepseek")[1]
+    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, micro_batch_tokens=16 * 8 * (tasks.TASKS["repeat"]["length"] + flags.MIN_MODEL_LEN),
+                                    device_memory=10**9)
+    assert done.stdout.strip().endswith(memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config))
+    assert "world 8 = tp 2 x cp 1 x pp 1 x dp 4; experts ep 2 x expert-dp 2" in done.stdout
+    assert not out.exists()
+
+
+def test_flags_plan_inputs_are_read_only_with_plan_and_a_bad_size_is_named():
+    args = flags.parse_args(["--device-memory", "80GB", "--plan-world-size", "8"])
+    assert args.device_memory == 80 * 10**9
+    problems = flags.layout_problems(args, 1)
+    assert "--device-memory 80000000000: only read with --plan" in problems
+    assert "--plan-world-size 8: only read with --plan" in problems
+    with pytest.raises(SystemExit, match="argument --device-memory: '80 gigs': expected a positive size"):
+        flags.parse_args(["--plan", "--device-memory", "80 gigs"])
