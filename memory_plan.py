@@ -54,7 +54,7 @@ class PlanConfig:
     mtp_rollout: bool = True             # vLLM drafts with them: the trunk's final norm is frozen
     auto_draft: bool = True              # --num-speculative-tokens auto: a plain and a drafting engine
     reference_model: bool = False        # --kl-coef > 0: a frozen copy of the trunk
-    micro_batch_tokens: int = 8192       # tokens of one micro-batch on one data-parallel rank
+    micro_batch_tokens: int = 8192       # tokens of one micro-batch on one data-parallel rank (over its CP ranks)
     rollout_tp: int = 1                  # vLLM tensor parallel size
     gpu_memory_utilization: float = 0.3  # each vLLM engine's share of the device
     device_memory: int = None            # bytes of one device; None: no verdict
@@ -78,8 +78,11 @@ def layout_problems(hf_config, config):
             problems.append(f"{what} = {math.prod(sizes)}: expected a divisor of the world size {c.world_size}")
     heads = hf_config["num_attention_heads"]
     kv_heads = heads if "kv_lora_rank" in hf_config else hf_config.get("num_key_value_heads", heads)
-    if kv_heads % c.tp:
-        problems.append(f"--tp {c.tp}: expected a divisor of the model's {kv_heads} key/value heads")
+    for flag, size in (("--tp", c.tp), ("--rollout-tp", c.rollout_tp)):
+        if kv_heads % size:
+            problems.append(f"{flag} {size}: expected a divisor of the model's {kv_heads} key/value heads")
+    if c.world_size % c.rollout_tp:
+        problems.append(f"--rollout-tp {c.rollout_tp}: expected a divisor of the world size {c.world_size}")
     if hf_config["vocab_size"] % c.tp:
         problems.append(f"--tp {c.tp}: expected a divisor of the vocabulary size {hf_config['vocab_size']}")
     if hf_config.get("n_routed_experts", 1) % c.ep:
@@ -99,9 +102,9 @@ def _attention_tensors(hf_config, tp):
     if "kv_lora_rank" in hf_config:
         nope, rope, v = hf_config["qk_nope_head_dim"], hf_config["qk_rope_head_dim"], hf_config["v_head_dim"]
         q_rank, kv_rank = hf_config.get("q_lora_rank"), hf_config["kv_lora_rank"]
-        query = ({"linear_q_proj.weight": (heads * (nope + rope) // tp, h)} if not q_rank else
-                 {"linear_q_down_proj.weight": (q_rank, h), "linear_q_up_proj.weight": (heads * (nope + rope) // tp,
-                                                                                         q_rank),
+        query_width = heads * (nope + rope) // tp
+        query = ({"linear_q_proj.weight": (query_width, h)} if not q_rank else
+                 {"linear_q_down_proj.weight": (q_rank, h), "linear_q_up_proj.weight": (query_width, q_rank),
                   "q_layernorm.weight": (q_rank,)})
         return {"linear_proj.weight": (h, heads * v // tp), **query,
                 "linear_kv_down_proj.weight": (kv_rank + rope, h),
@@ -346,7 +349,7 @@ def _candidates(hf_config, config):
     c = config
     if not c.distributed_optimizer and max(data_parallel_sizes(c)) > 1:
         yield "--distributed-optimizer", dataclasses.replace(c, distributed_optimizer=True)
-    for field, flag in (("tp", "--tp"), ("pp", "--pp"), ("ep", "--ep")):
+    for field, flag in (("tp", "--tp"), ("pp", "--pp"), ("ep", "--ep"), ("rollout_tp", "--rollout-tp")):
         if field != "ep" or "n_routed_experts" in hf_config:
             bigger = dataclasses.replace(c, **{field: getattr(c, field) * 2})
             if not layout_problems(hf_config, bigger):
