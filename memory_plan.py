@@ -34,6 +34,9 @@ import re
 FP32, BF16 = 4, 2
 # Adam keeps m and v in fp32, and one fp32 step counter per tensor.
 ADAM_STATES = 2
+# The largest --tp the plan suggests: tensor parallelism all-reduces activations in every
+# layer, which only a node's own links (NVLink, 8 devices) carry fast enough.
+MAX_SUGGESTED_TP = 8
 # --device-memory's units: decimal (GB) and binary (GiB).
 BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -352,7 +355,7 @@ def _candidates(hf_config, config):
     for field, flag in (("tp", "--tp"), ("pp", "--pp"), ("ep", "--ep"), ("rollout_tp", "--rollout-tp")):
         if field != "ep" or "n_routed_experts" in hf_config:
             bigger = dataclasses.replace(c, **{field: getattr(c, field) * 2})
-            if not layout_problems(hf_config, bigger):
+            if not layout_problems(hf_config, bigger) and bigger.tp <= max(c.tp, MAX_SUGGESTED_TP):
                 yield f"{flag} {getattr(bigger, field)}", bigger
     if c.mtp_rollout and c.auto_draft:
         yield "--num-speculative-tokens 1 (one engine, not two)", dataclasses.replace(c, auto_draft=False)
