@@ -227,12 +227,14 @@ def model_state_bytes(hf_config, config, stage=None):
     numel = {name: math.prod(shape) for name, shape in tensors.items()}
     train = [name for name in tensors if trainable(name, c)]
     dense_dp, expert_dp = data_parallel_sizes(c) if c.distributed_optimizer else (1, 1)
-    sharded = sum(numel[name] / (expert_dp if is_expert(name) else dense_dp) for name in train)
+    share = {name: 1 / (expert_dp if is_expert(name) else dense_dp) for name in train}
+    sharded = sum(numel[name] * share[name] for name in train)
     reference = megatron_tensors(hf_config, c.tp, c.ep, mtp=False, pp=c.pp, stage=stage) if c.reference_model else {}
     return {"weights": sum(numel.values()) * weight_bytes,
             "gradients": sum(numel[name] for name in train) * FP32,
             "main_weights": int(sharded * FP32) if c.bf16 else 0,
-            "optimizer_states": int(sharded * ADAM_STATES * FP32) + len(train) * FP32,
+            # A step counter per tensor of this rank's shard: about its share of the tensors.
+            "optimizer_states": int(sharded * ADAM_STATES * FP32) + math.ceil(sum(share.values())) * FP32,
             "reference_weights": sum(math.prod(shape) for shape in reference.values()) * weight_bytes}
 
 
