@@ -5916,7 +5916,6 @@ def _held_bytes(layouts):
     the optimizer has stepped (Adam's states exist from the first step)."""
     import trainer
     from megatron_model import build_gpt_model
-    cpu_backend.init_distributed()
     held = []
     for name, tp, ep, bf16 in layouts:
         cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, seed=0)
@@ -5941,11 +5940,25 @@ def _held_bytes(layouts):
     return held
 
 
-def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_rank():
+def _plan_measurements(layouts, checkpoint, sequences, length):
+    """One 2-process run for both memory_plan tests: `_held_bytes(layouts)`, then the peak
+    increase of a train step on `checkpoint` (`_step_peak_increase`, DP 2: each rank its own
+    micro-batch of sequences x length tokens)."""
+    cpu_backend.init_distributed()
+    return _held_bytes(layouts), _step_peak_increase(checkpoint, sequences, length)
+
+
+@pytest.fixture(scope="module")
+def plan_measurements(tiny_checkpoint):
+    """By rank: (the bytes held at PLAN_LAYOUTS, a train step's peak increase at 8 x 128 tokens)."""
+    return run_in_processes(_plan_measurements, world_size=2, args=(PLAN_LAYOUTS, tiny_checkpoint, 8, 128))
+
+
+def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_rank(plan_measurements):
     """Weights, fp32 gradient buffers, fp32 main weights and Adam's states (m, v and a step
     per tensor), exactly, on both ranks of 4 layouts (MiMo at TP 1 (DP 2) and TP 2, DeepSeek
     at EP 2 and TP 2; fp32 and bf16); the tensor list name for name."""
-    held = run_in_processes(_held_bytes, world_size=2, args=(PLAN_LAYOUTS,))
+    held = [by_rank[0] for by_rank in plan_measurements]
     for index, (name, tp, ep, bf16) in enumerate(PLAN_LAYOUTS):
         hf_config = tiny_model.builtin_config(name)[1]
         config = memory_plan.PlanConfig(world_size=2, tp=tp, ep=ep, bf16=bf16)
@@ -5968,44 +5981,41 @@ def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_ran
     assert mutant["gradients"] != held[0][-1]["gradients"]
 
 
-def _step_peak_increase(checkpoints, sequences, length):
-    """The peak increase of allocated host memory over one train step (after one step that
-    made Adam's states), per checkpoint: torch.profiler's allocation events carry the bytes
+def _step_peak_increase(checkpoint, sequences, length):
+    """The peak increase of allocated host memory over one train step on `checkpoint` (after
+    one step that made Adam's states): torch.profiler's allocation events carry the bytes
     allocated since the profile began (`total_allocated`); their maximum is the peak. On
     CPU torch allocates without a cache, so every tensor's bytes count when it is live."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
     import trainer
-    cpu_backend.init_distributed()
     cpu_backend.init_model_parallel(seed=0)
     mtp_patch.patch_megatron_mtp()
-    generator, peaks = torch.Generator().manual_seed(0), []
+    generator = torch.Generator().manual_seed(0)
     samples = [{"prompt_ids": torch.randint(3, 100, (8,), generator=generator).tolist(),
                 "response_ids": torch.randint(3, 100, (length - 8,), generator=generator).tolist(),
                 "advantages": torch.full((length - 8,), 1.0 if index % 2 else -1.0),
                 "rollout_logprobs": [-1.0] * (length - 8), "group": index // 4} for index in range(sequences)]
-    for checkpoint in checkpoints:
-        config = trainer.TrainConfig(lr=1e-4)
-        policy = trainer.build_policy(checkpoint, config)
+    config = trainer.TrainConfig(lr=1e-4)
+    policy = trainer.build_policy(checkpoint, config)
+    trainer.train_step(policy, samples, config)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         trainer.train_step(policy, samples, config)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
-            trainer.train_step(policy, samples, config)
 
-        def events(nodes):
-            for node in nodes:
-                yield node
-                yield from events(node.children)
-        peaks.append(max(node.extra_fields.total_allocated
-                         for node in events(profiled.profiler.kineto_results.experimental_event_tree())
-                         if node.tag == _EventType.Allocation))
-    return peaks
+    def events(nodes):
+        for node in nodes:
+            yield node
+            yield from events(node.children)
+    return max(node.extra_fields.total_allocated
+               for node in events(profiled.profiler.kineto_results.experimental_event_tree())
+               if node.tag == _EventType.Allocation)
 
 
-def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_peak(tiny_checkpoint):
+def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_peak(plan_measurements):
     """The activation estimate of one micro-batch of 1024 tokens (8 x 128) against the
     measured peak increase of a train step of the MiMo model, fp32 on CPU (DeepSeek's,
     MLA and MoE, measured the same way: docs/SCALE.md)."""
-    peak = run_in_processes(_step_peak_increase, args=([tiny_checkpoint], 8, 128))[0][0]
+    peak = plan_measurements[0][1]
     config = memory_plan.PlanConfig(bf16=False, micro_batch_tokens=8 * 128)
     planned = memory_plan.activation_bytes(tiny_model.builtin_config("tiny")[1], config)
     print(f"planned {planned} bytes, measured peak increase {peak} ({planned / peak - 1:+.1%})")
