@@ -61,8 +61,8 @@ import draft_tuner  # noqa: E402
 import flags  # noqa: E402
 import grpo_loss  # noqa: E402
 import hf_weights  # noqa: E402
-import mtp_patch  # noqa: E402
 import memory_plan  # noqa: E402
+import mtp_patch  # noqa: E402
 import rollout  # noqa: E402
 import spec_config  # noqa: E402
 import tasks  # noqa: E402
@@ -468,7 +468,11 @@ def main(args):
         # Before any process group or model: the layout judged from config.json alone.
         hf_config = flags.model_config(s)
         config = flags.plan_config(s, world_size, bf16=args.bf16 is not False)
-        print(memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config), flush=True)
+        try:
+            plan = memory_plan.device_plan(hf_config, config)
+        except ValueError as error:  # a layout the flags' own checks let through (a vocabulary TP does not split)
+            raise usage_error(f"--plan: {error}") from None
+        print(memory_plan.format_plan(plan, hf_config), flush=True)
         return []
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
     changed = flags.resume_flag_changes(resume_dir, s) if resume_dir else ""
