@@ -167,13 +167,15 @@ def megatron_tensors(hf_config, tp=1, ep=1, mtp=True, pp=1, stage=0):
     0.16.1's local spec; Transformer Engine's fuses the norms into the linears, same sizes).
 
     The first stage holds the embedding, the last the final norm, the output layer (unless
-    tied) and the MTP layers (which read the embedding: the last stage holds it too)."""
+    tied on a single stage) and the MTP layers (which read the embedding: the last stage
+    holds it too)."""
     h, vocab = hf_config["hidden_size"], hf_config["vocab_size"]
     mtp_layers = hf_config.get("num_nextn_predict_layers", 0) if mtp else 0
     first, last = stage == 0, stage == pp - 1
     tensors = {"embedding.word_embeddings.weight": (vocab // tp, h)} if first or (last and mtp_layers) else {}
-    for layer in stage_layers(hf_config, pp, stage):
-        tensors.update({f"decoder.layers.{layer - stage_layers(hf_config, pp, stage).start}.{name}": shape
+    layers = stage_layers(hf_config, pp, stage)
+    for layer in layers:
+        tensors.update({f"decoder.layers.{layer - layers.start}.{name}": shape
                         for name, shape in _layer_tensors(hf_config, layer, tp, ep).items()})
     if last:
         tensors["decoder.final_layernorm.weight"] = (h,)
@@ -184,7 +186,8 @@ def megatron_tensors(hf_config, tp=1, ep=1, mtp=True, pp=1, stage=0):
             layer = hf_config["num_hidden_layers"] + j
             tensors.update({f"{prefix}.transformer_layer.{name}": shape
                             for name, shape in _layer_tensors(hf_config, layer, tp, ep).items()})
-        if not hf_config.get("tie_word_embeddings"):
+        # Tied, the first stage's output layer is its embedding; a later stage keeps a copy.
+        if not hf_config.get("tie_word_embeddings") or not first:
             tensors["output_layer.weight"] = (vocab // tp, h)
     return tensors
 
@@ -387,10 +390,6 @@ def what_to_change(hf_config, config, most=4):
         if plan["fits"]:
             return flags, plan
     return [], None
-
-
-def gigabytes(count):
-    return f"{count / 1e9:8.2f} GB"
 
 
 def format_plan(plan, hf_config=None):
