@@ -31,6 +31,7 @@ import checkpoint
 import draft_tuner
 import forward
 import grpo_loss
+import memory_plan
 import rollout
 import spec_config
 import tasks
@@ -212,6 +213,27 @@ def add_layout_flags(p):
     p.add_argument("--kv-cache-bytes", type=POSITIVE_INT, default=ROLLOUT.kv_cache_bytes, help="vLLM KV cache size on CPU")
 
 
+def byte_size(text):
+    """--device-memory: '80GB', '141GB', '96GiB' -> bytes (memory_plan.parse_bytes)."""
+    try:
+        return memory_plan.parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_plan_flags(p):
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan per device for the model and the layout flags (weights, gradients, "
+                        "optimizer states, activations, vLLM's weights and KV cache), whether it fits "
+                        "--device-memory and what to change if not, then exit: no process group, no model built")
+    p.add_argument("--device-memory", type=byte_size, default=None,
+                   help="--plan: one device's memory, e.g. 80GB (H100), 141GB (H200), 96GiB; without it the plan "
+                        "gives no verdict")
+    p.add_argument("--plan-world-size", type=POSITIVE_INT, default=None,
+                   help="--plan: the processes the run would have (nodes x devices per node); default: torchrun's "
+                        "WORLD_SIZE, else 1")
+
+
 def add_loss_flags(p):
     p.add_argument("--lr", type=POSITIVE, default=None,
                    help="Adam learning rate; default: the built-in task's, " + ", ".join(
@@ -316,7 +338,7 @@ def add_mtp_flags(p):
 def build_parser():
     p = _ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add_flags in (add_data_flags, add_output_flags, add_layout_flags, add_loss_flags, add_sampling_flags,
-                      add_mtp_flags):
+                      add_mtp_flags, add_plan_flags):
         add_flags(p)
     return p
 
@@ -345,6 +367,9 @@ def layout_problems(args, world_size):
     if args.ep > 1 and world_size % (args.tp * args.ep):
         problems.append(f"--tp {args.tp} x --ep {args.ep} = {args.tp * args.ep}: expected a divisor of the world "
                         f"size {world_size}")
+    for flag, value in (("--device-memory", args.device_memory), ("--plan-world-size", args.plan_world_size)):
+        if value is not None and not args.plan:
+            problems.append(f"{flag} {value}: only read with --plan")
     if world_size % args.rollout_tp:
         problems.append(f"--rollout-tp {args.rollout_tp}: expected a divisor of the world size {world_size}")
     sequences = args.prompts_per_step * args.group_size
@@ -642,6 +667,25 @@ def train_config(settings):
     """The train phase's settings: trainer.TrainConfig, the loss's included."""
     names = [field.name for field in dataclasses.fields(trainer.TrainConfig) if field.name != "loss"]
     return trainer.TrainConfig(**{name: getattr(settings, name) for name in names}, loss=loss_config(settings))
+
+
+def plan_world_size(args):
+    """The world size a --plan is made for: --plan-world-size, else torchrun's WORLD_SIZE, else 1."""
+    return args.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def plan_config(settings, world_size, bf16):
+    """The memory plan's settings: memory_plan.PlanConfig. `bf16`: the GPU's default when --bf16 is
+    not given (a plan is made for the GPUs, maybe on a host without one). A micro-batch's
+    tokens: its sequences (--prompts-per-step x --group-size per data-parallel rank, over
+    --mini-batches x --micro-batches) x --max-new-tokens plus a prompt of MIN_MODEL_LEN."""
+    sequences = settings.prompts_per_step * settings.group_size // (settings.mini_batches * settings.micro_batches)
+    return memory_plan.PlanConfig(
+        world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, bf16=bf16,
+        mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout,
+        auto_draft=settings.num_speculative_tokens == "auto", reference_model=settings.kl_coef > 0,
+        micro_batch_tokens=sequences * (settings.max_new_tokens + MIN_MODEL_LEN), rollout_tp=settings.rollout_tp,
+        gpu_memory_utilization=settings.gpu_memory_utilization, device_memory=settings.device_memory)
 
 
 def rollout_config(settings):

@@ -48,6 +48,7 @@ import forward
 import grpo_loss
 import hf_weights
 import megatron_model
+import memory_plan
 import mtp_matrix
 import mtp_patch
 import rollout
@@ -6173,3 +6174,183 @@ def test_setup_gpu_stack_names_what_the_te_build_lacks_before_installing(setup_s
     assert "NVIDIA's PyTorch container" in done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("setup.sh: Transformer Engine cannot compile here: ") and missing in last
+
+
+# ---------------------------------------------------------------------------------------
+# memory_plan.py: the plan's bytes against a built model and optimizer, and a step's peak
+# ---------------------------------------------------------------------------------------
+
+# (built-in model, tp, ep, bf16) in one 2-process run: the plain optimizer's bytes do not
+# depend on the data-parallel size.
+PLAN_LAYOUTS = [("tiny", 1, 1, False), ("tiny", 2, 1, True), ("deepseek", 1, 2, False), ("deepseek", 2, 1, True)]
+# The activation estimate against a train step's measured peak increase (docs/SCALE.md).
+PLAN_ACTIVATION_TOLERANCE = 0.25
+
+
+def _held_bytes(layouts):
+    """For each (built-in model, tp, ep, bf16): the parameters' names and shapes on this rank,
+    and the bytes the model, megatron DDP's gradient buffers and the optimizer hold once
+    the optimizer has stepped (Adam's states exist from the first step)."""
+    import trainer
+    from megatron_model import build_gpt_model
+    held = []
+    for name, tp, ep, bf16 in layouts:
+        cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, seed=0)
+        model = build_gpt_model(tiny_model.builtin_config(name)[1], tensor_parallel=tp, expert_parallel=ep,
+                                params_dtype=torch.bfloat16 if bf16 else torch.float32)
+        # trainer.build_policy's freeze while vLLM drafts with the trained MTP head.
+        model.decoder.final_layernorm.weight.requires_grad_(False)
+        ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False)
+        ddp_model.zero_grad_buffer()
+        with cpu_backend.cuda_on_cpu():
+            optimizer.step()
+        parts = getattr(optimizer, "chained_optimizers", [optimizer])
+        states = [tensor for part in parts for state in part.optimizer.state.values() for tensor in state.values()]
+        main = [param for part in parts for group in getattr(part, "fp32_from_float16_groups", []) for param in group]
+        held.append({
+            "shapes": {key: tuple(param.shape) for key, param in model.named_parameters()},
+            "weights": sum(param.numel() * param.element_size() for param in model.parameters()),
+            "gradients": sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
+                             for buffer in ddp_model.buffers + ddp_model.expert_parallel_buffers),
+            "main_weights": sum(param.numel() * param.element_size() for param in main),
+            "optimizer_states": sum(tensor.numel() * tensor.element_size() for tensor in states)})
+    return held
+
+
+def _plan_measurements(layouts, checkpoint, sequences, length):
+    """One 2-process run for both memory_plan tests: `_held_bytes(layouts)`, then the peak
+    increase of a train step on `checkpoint` (`_step_peak_increase`, DP 2: each rank its own
+    micro-batch of sequences x length tokens)."""
+    cpu_backend.init_distributed()
+    return _held_bytes(layouts), _step_peak_increase(checkpoint, sequences, length)
+
+
+@pytest.fixture(scope="module")
+def plan_measurements(tiny_checkpoint):
+    """By rank: (the bytes held at PLAN_LAYOUTS, a train step's peak increase at 8 x 128 tokens)."""
+    return run_in_processes(_plan_measurements, world_size=2, args=(PLAN_LAYOUTS, tiny_checkpoint, 8, 128))
+
+
+def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_rank(plan_measurements):
+    """Weights, fp32 gradient buffers, fp32 main weights and Adam's states (m, v and a step
+    per tensor), exactly, on both ranks of 4 layouts (MiMo at TP 1 (DP 2) and TP 2, DeepSeek
+    at EP 2 and TP 2; fp32 and bf16); the tensor list name for name."""
+    held = [by_rank[0] for by_rank in plan_measurements]
+    for index, (name, tp, ep, bf16) in enumerate(PLAN_LAYOUTS):
+        hf_config = tiny_model.builtin_config(name)[1]
+        config = memory_plan.PlanConfig(world_size=2, tp=tp, ep=ep, bf16=bf16)
+        planned = memory_plan.model_state_bytes(hf_config, config)
+        if bf16:
+            # Without Transformer Engine (CPU) the norms are torch's, built in fp32: 2 bytes
+            # more each, and no fp32 main copy. Transformer Engine's are bf16, as planned.
+            norms = sum(math.prod(shape) for key, shape in memory_plan.megatron_tensors(hf_config, tp, ep).items()
+                        if key.endswith("norm.weight"))
+            frozen = math.prod(memory_plan.megatron_tensors(hf_config, tp, ep)["decoder.final_layernorm.weight"])
+            planned = dict(planned, weights=planned["weights"] + 2 * norms,
+                           main_weights=planned["main_weights"] - 4 * (norms - frozen))
+        print(name, tp, ep, bf16, planned)
+        for rank in range(2):
+            assert held[rank][index]["shapes"] == memory_plan.megatron_tensors(hf_config, tp, ep)
+            for part in ("weights", "gradients", "main_weights", "optimizer_states"):
+                assert held[rank][index][part] == planned[part], (name, tp, ep, part, rank)
+    # A mutant that forgets the frozen norm (its gradient buffer and Adam states) is caught.
+    mutant = memory_plan.model_state_bytes(hf_config, dataclasses.replace(config, mtp_rollout=False))
+    assert mutant["gradients"] != held[0][-1]["gradients"]
+
+
+def _step_peak_increase(checkpoint, sequences, length):
+    """The peak increase of allocated host memory over one train step on `checkpoint` (after
+    one step that made Adam's states): torch.profiler's allocation events carry the bytes
+    allocated since the profile began (`total_allocated`); their maximum is the peak. On
+    CPU torch allocates without a cache, so every tensor's bytes count when it is live."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    import trainer
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"prompt_ids": torch.randint(3, 100, (8,), generator=generator).tolist(),
+                "response_ids": torch.randint(3, 100, (length - 8,), generator=generator).tolist(),
+                "advantages": torch.full((length - 8,), 1.0 if index % 2 else -1.0),
+                "rollout_logprobs": [-1.0] * (length - 8), "group": index // 4} for index in range(sequences)]
+    config = trainer.TrainConfig(lr=1e-4)
+    policy = trainer.build_policy(checkpoint, config)
+    trainer.train_step(policy, samples, config)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        trainer.train_step(policy, samples, config)
+
+    def events(nodes):
+        for node in nodes:
+            yield node
+            yield from events(node.children)
+    return max(node.extra_fields.total_allocated
+               for node in events(profiled.profiler.kineto_results.experimental_event_tree())
+               if node.tag == _EventType.Allocation)
+
+
+def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_peak(plan_measurements):
+    """The activation estimate of one micro-batch of 1024 tokens (8 x 128) against the
+    measured peak increase of a train step of the MiMo model, fp32 on CPU (DeepSeek's,
+    MLA and MoE, measured the same way: docs/SCALE.md)."""
+    peak = plan_measurements[0][1]
+    config = memory_plan.PlanConfig(bf16=False, micro_batch_tokens=8 * 128)
+    planned = memory_plan.activation_bytes(tiny_model.builtin_config("tiny")[1], config)
+    print(f"planned {planned} bytes, measured peak increase {peak} ({planned / peak - 1:+.1%})")
+    assert abs(planned / peak - 1) < PLAN_ACTIVATION_TOLERANCE
+    # A plan that split the micro-batch once too often (half its tokens) is caught.
+    halved = memory_plan.activation_bytes(tiny_model.builtin_config("tiny")[1],
+                                          dataclasses.replace(config, micro_batch_tokens=4 * 128))
+    assert abs(halved / peak - 1) > PLAN_ACTIVATION_TOLERANCE
+
+
+def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
+    """MiMo-7B-RL (published size) at TP 1 on 8 x 80GB does not fit; the plan names flags
+    after which it does, and that plan fits. Sizes parse in GB and GiB; bad ones are named."""
+    hf_config = tiny_model.PUBLISHED_CONFIGS["mimo-7b-rl"][0]
+    config = memory_plan.PlanConfig(world_size=8, micro_batch_tokens=8192,
+                                    device_memory=memory_plan.parse_bytes("80GB"))
+    plan = memory_plan.device_plan(hf_config, config)
+    assert 7.8e9 < plan["parameters"] < 7.9e9 and not plan["fits"]
+    # bf16 weights 2 bytes, fp32 gradients, main weights, m and v 16 more: 18 per parameter.
+    assert plan["weights"] + plan["gradients"] + plan["main_weights"] + plan["optimizer_states"] == pytest.approx(
+        18 * plan["parameters"], rel=1e-3)
+    changes, fitting = memory_plan.what_to_change(hf_config, config)
+    assert changes and fitting["fits"] and fitting["total"] <= 80e9
+    assert "to fit: " + " and ".join(changes) in memory_plan.format_plan(plan, hf_config)
+    assert memory_plan.parse_bytes("141GB") == 141 * 10**9 and memory_plan.parse_bytes("96GiB") == 96 * 2**30
+    with pytest.raises(ValueError, match="'80 GBs': expected a positive size"):
+        memory_plan.parse_bytes("80 GBs")
+    # vLLM's KV cache per token, as the engines' context check (flags) counts it.
+    for name in ("mimo-7b-rl", "glm-4.5-air", "deepseek-v3"):
+        for rollout_tp, bf16 in ((1, True), (4, False)):
+            expected = flags.kv_cache_bytes_per_token(SimpleNamespace(mtp_rollout=True, rollout_tp=rollout_tp,
+                                                                      bf16=bf16), tiny_model.PUBLISHED_CONFIGS[name][0])
+            assert memory_plan.kv_bytes_per_token(tiny_model.PUBLISHED_CONFIGS[name][0], memory_plan.PlanConfig(
+                rollout_tp=rollout_tp, bf16=bf16), drafting=True) == expected
+
+
+def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_path):
+    """--plan for the built-in deepseek model at --tp 2 --ep 2 on a world of 8: the plan per
+    device, exit 0, no process group (no torchrun), nothing written to --out."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "train_grpo.py", "--plan", "--builtin-model", "deepseek", "--tp", "2",
+                           "--ep", "2", "--plan-world-size", "8", "--device-memory", "1GB", "--out", str(out)],
+                          cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr
+    hf_config = tiny_model.builtin_config("deepseek")[1]
+    # The default run's micro-batch: 16 prompts x 8 completions, each its answer and a 256-token prompt.
+    tokens = 16 * 8 * (tasks.TASKS["repeat"]["length"] + flags.MIN_MODEL_LEN)
+    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, micro_batch_tokens=tokens, device_memory=10**9)
+    assert done.stdout.strip().endswith(memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config))
+    assert "world 8 = tp 2 x cp 1 x pp 1 x dp 4; experts ep 2 x expert-dp 2" in done.stdout
+    assert not out.exists()
+
+
+def test_flags_plan_inputs_are_read_only_with_plan_and_a_bad_size_is_named():
+    args = flags.parse_args(["--device-memory", "80GB", "--plan-world-size", "8"])
+    assert args.device_memory == 80 * 10**9
+    problems = flags.layout_problems(args, 1)
+    assert "--device-memory 80000000000: only read with --plan" in problems
+    assert "--plan-world-size 8: only read with --plan" in problems
+    with pytest.raises(SystemExit, match="argument --device-memory: '80 gigs': expected a positive size"):
+        flags.parse_args(["--plan", "--device-memory", "80 gigs"])

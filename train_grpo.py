@@ -61,6 +61,7 @@ import draft_tuner  # noqa: E402
 import flags  # noqa: E402
 import grpo_loss  # noqa: E402
 import hf_weights  # noqa: E402
+import memory_plan  # noqa: E402
 import mtp_patch  # noqa: E402
 import rollout  # noqa: E402
 import spec_config  # noqa: E402
@@ -464,8 +465,18 @@ def open_outputs(run, resume_dir, args, changed):
 
 
 def main(args):
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = flags.plan_world_size(args) if args.plan else int(os.environ.get("WORLD_SIZE", "1"))
     s = flags.check_args(args, world_size)
+    if s.plan:
+        # Before any process group or model: the layout judged from config.json alone.
+        hf_config = flags.model_config(s)
+        config = flags.plan_config(s, world_size, bf16=args.bf16 is not False)
+        try:
+            plan = memory_plan.device_plan(hf_config, config)
+        except ValueError as error:  # a layout the flags' own checks let through (a vocabulary TP does not split)
+            raise usage_error(f"--plan: {error}") from None
+        print(memory_plan.format_plan(plan, hf_config), flush=True)
+        return []
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
     changed = flags.resume_flag_changes(resume_dir, s) if resume_dir else ""
     inputs = input_digests(s)
