@@ -79,6 +79,10 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             super().__init__(config, submodules, **options)
         finally:
             gated_delta_net.HAVE_FLA = had_fla
+        # Split by rows over the tensor-parallel ranks, as megatron's own parallel layers
+        # mark theirs (megatron-core marks these parallel but names no dimension).
+        for param in (self.dt_bias, self.A_log, self.conv1d.weight):
+            param.partition_dim, param.partition_stride = 0, 1
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, **unused):

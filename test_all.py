@@ -4103,6 +4103,130 @@ def test_hf_weights_published_configs_round_trip_bit_exact_at_tp_1_and_2(publish
         assert results[published, 1]["round_trip_exact"] and results[published, 2]["round_trip_exact"]
 
 
+# Qwen3.5: gated DeltaNet (gdn_thd.py) in packed batches, the hybrid trunk against transformers.
+QWEN35_SEQLENS = [37, 5, 80, 1, 20]
+PACKED_TOLERANCE = 1e-6  # a packed batch against each of its sequences run alone, fp32
+
+
+@pytest.fixture(scope="session")
+def qwen35_tiny():
+    """The built-in Qwen3.5 checkpoint, written once per test session."""
+    with tempfile.TemporaryDirectory(prefix="tiny-qwen35-") as directory:
+        yield tiny_model.write_checkpoint(directory, tiny_model.builtin_config("qwen3.5")[1])
+
+
+def _delta_net_packed_and_alone(layer):
+    """A gated-DeltaNet layer on random hidden states: packed output and input gradient, the
+    same for each sequence alone, and the packed output with sequence boundaries ignored."""
+    import gdn_thd
+    from megatron.core.packed_seq_params import PackedSeqParams
+    hidden = torch.randn(sum(QWEN35_SEQLENS), 1, layer.hidden_size, generator=torch.Generator().manual_seed(0))
+    boundaries = F.pad(torch.tensor(QWEN35_SEQLENS).cumsum(0), (1, 0)).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries,
+                             max_seqlen_q=max(QWEN35_SEQLENS), max_seqlen_kv=max(QWEN35_SEQLENS))
+
+    def run(inputs, packed_seq_params):
+        inputs = inputs.clone().requires_grad_()
+        output, _ = layer(inputs, None, packed_seq_params=packed_seq_params)
+        output.pow(2).sum().backward()
+        return output.detach(), inputs.grad
+    results = {"packed": run(hidden, params),
+               "alone": [torch.cat(parts) for parts in zip(*(run(sequence, None)
+                                                             for sequence in hidden.split(QWEN35_SEQLENS)))]}
+    # The mutant: one sequence from the first token to the last, state and convolution carried across.
+    original, gdn_thd.sequence_boundaries = gdn_thd.sequence_boundaries, lambda _, total: torch.tensor([0, total])
+    try:
+        results["boundaries ignored"] = run(hidden, params)
+    finally:
+        gdn_thd.sequence_boundaries = original
+    results["shared prefix refusal"] = str(_raises(lambda: layer(hidden, None, packed_seq_params=SimpleNamespace(
+        unit_starts=boundaries))))
+    layer.zero_grad()
+    return results
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return error
+    return None
+
+
+def test_gdn_thd_packed_equals_each_sequence_alone_and_ignoring_boundaries_fails(qwen35_tiny):
+    results = _qwen35_layout_results(qwen35_tiny)[0]["delta net"]
+    (packed, packed_grad), (alone, alone_grad) = results["packed"], results["alone"]
+    print(f"packed vs alone: output {(packed - alone).abs().max():.2e}, input grad "
+          f"{(packed_grad - alone_grad).abs().max():.2e}; boundaries ignored: "
+          f"{(results['boundaries ignored'][0] - alone).abs().max():.2e}")
+    assert packed.abs().max() > 1e-2 and packed_grad.abs().max() > 1e-3
+    torch.testing.assert_close(packed, alone, rtol=0, atol=PACKED_TOLERANCE)
+    torch.testing.assert_close(packed_grad, alone_grad, rtol=0, atol=PACKED_TOLERANCE)
+    # The first sequence starts the batch either way; every later one differs without boundaries.
+    first = QWEN35_SEQLENS[0]
+    torch.testing.assert_close(results["boundaries ignored"][0][:first], alone[:first], rtol=0, atol=PACKED_TOLERANCE)
+    assert (results["boundaries ignored"][0][first:] - alone[first:]).abs().max() > 1e-3
+    assert "shared-prefix layout" in results["shared prefix refusal"]
+
+
+def _qwen35_layouts(checkpoint):
+    """Log-probs of a packed batch at TP 1 and 2 (and each sequence alone at TP 1), the MTP
+    loss, and whether HF -> Megatron -> HF gave back every tensor bit for bit."""
+    from megatron_model import build_gpt_model, transformer_config
+    cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    generator = torch.Generator().manual_seed(0)
+    seqlens = torch.tensor(QWEN35_SEQLENS)
+    input_ids = torch.randint(3, 100, (int(seqlens.sum()),), generator=generator)
+    expected = load_file(os.path.join(checkpoint, "model.safetensors"))
+    results = {}
+    for tp in (1, 2):
+        cpu_backend.init_model_parallel(tensor_parallel=tp, seed=0)
+        model = build_gpt_model(checkpoint, tensor_parallel=tp)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        round_trip = dict(hf_weights.megatron_to_hf(model))
+        out = forward.forward_logprobs(model, input_ids, seqlens, mtp_train=True)
+        results[tp] = {"logprobs": out.batch.unpack(out.logprobs.detach()), "mtp_loss": float(out.mtp_loss),
+                       "round_trip_exact": set(round_trip) == set(expected) and all(
+                           torch.equal(round_trip[name], tensor) for name, tensor in expected.items())}
+        if tp == 1:
+            results["delta net"] = _delta_net_packed_and_alone(model.decoder.layers[0].self_attention)
+            results["alone"] = torch.cat([forward.forward_logprobs(model, sequence, length[None]).logprobs.detach()
+                                          for sequence, length in zip(input_ids.split(QWEN35_SEQLENS), seqlens)])
+    results["cp refusal"] = str(_raises(lambda: transformer_config(megatron_model.load_hf_config(checkpoint),
+                                                                   context_parallel=2)))
+    if torch.distributed.get_rank() == 0:
+        results["transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=1.0)
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _qwen35_layout_results(checkpoint):
+    """Both ranks' `_qwen35_layouts`, run once per session (two tests read it)."""
+    return run_in_processes(_qwen35_layouts, world_size=2, args=(checkpoint,))
+
+
+def test_megatron_model_qwen35_matches_transformers_packed_at_tp_1_and_2_and_refuses_cp(qwen35_tiny):
+    ranks = _qwen35_layout_results(qwen35_tiny)
+    reference = ranks[0]["transformers"]
+    for tp in (1, 2):
+        difference = (ranks[0][tp]["logprobs"] - reference).abs().max()
+        print(f"Qwen3.5 TP {tp}: Megatron vs transformers, {len(reference)} packed tokens: max {difference:.2e}")
+        assert difference < FORWARD_TOLERANCE
+        assert ranks[1][tp]["mtp_loss"] == pytest.approx(ranks[0][1]["mtp_loss"], abs=FORWARD_TOLERANCE)
+    assert reference.std() > 0.5 and ranks[0][1]["mtp_loss"] > 0
+    print(f"packed vs alone: {(ranks[0][1]['logprobs'] - ranks[0]['alone']).abs().max():.2e}")
+    # Log-probs near -5 sit 4.8e-7 apart in fp32: the whole model's packing is held to the
+    # forward tolerance, the gated DeltaNet's alone to PACKED_TOLERANCE (test_gdn_thd_...).
+    torch.testing.assert_close(ranks[0][1]["logprobs"], ranks[0]["alone"], rtol=0, atol=FORWARD_TOLERANCE)
+    assert "context_parallel=2" in ranks[0]["cp refusal"] and "gated-DeltaNet" in ranks[0]["cp refusal"]
+
+
+def test_hf_weights_qwen35_round_trips_bit_exact_at_tp_1_and_2(qwen35_tiny):
+    ranks = _qwen35_layout_results(qwen35_tiny)
+    assert [[results[tp]["round_trip_exact"] for tp in (1, 2)] for results in ranks] == [[True, True]] * 2
+
+
 # A DeepSeek model whose FP8 blocks meet every edge case: hidden 192 and the MLA latent of
 # 576 rows end in half blocks; at TP 2 q_b_proj's rows 192:384 and o_proj's columns 64:128
 # start inside a block, so each rank must read whole blocks and cut its slice out.
