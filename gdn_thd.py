@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.ssm import gated_delta_net
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, torch_chunk_gated_delta_rule
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
 # transformers' and FLA's l2norm: x / sqrt(sum(x^2) + eps) over the head dimension.
 L2NORM_EPS = 1e-6
@@ -125,8 +126,16 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
         core, _ = torch_chunk_gated_delta_rule(query, key, value, g=g, beta=beta.sigmoid(),
                                                use_qk_l2norm_in_kernel=False)
-        # The gated RMSNorm per value head (megatron's `_apply_gated_norm`, here without the
-        # torch.compile that megatron-core wraps it in: no compiler needed on a CPU).
-        normed = self.out_norm(core.reshape(-1, self.value_head_dim))
-        normed = normed * self.act_fn(gate.reshape(-1, self.value_head_dim).float())
-        return normed.to(core.dtype).reshape(batch, length, -1)
+        return self._gated_norm(core, gate.reshape(batch, length, -1, self.value_head_dim))
+
+    def _gated_norm(self, core, gate):
+        """RMSNorm of each value head times silu(gate): core, gate [..., heads, v_head_dim] ->
+        [..., heads * v_head_dim] (megatron's `_apply_gated_norm`, without the torch.compile
+        it is wrapped in, which would need a compiler on a CPU)."""
+        # Every tensor-parallel rank scales its own heads by the one norm weight: the weight's
+        # gradient on a rank is a partial sum over its heads. Identity forward, the sum over
+        # the TP group backward (megatron-core's finalize_model_grads sums no such weight).
+        weight = copy_to_tensor_model_parallel_region(self.out_norm.weight, group=self.pg_collection.tp)
+        x = core.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.out_norm.eps)).to(core.dtype) * weight
+        return (normed * self.act_fn(gate.float())).to(core.dtype).flatten(-2)
