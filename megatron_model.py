@@ -292,6 +292,9 @@ def _qwen35_fields(hf_config, tensor_parallel, context_parallel):
         raise ValueError(f"context_parallel={context_parallel}: Qwen3.5's gated-DeltaNet layers have no "
                          "context-parallel form here (a rank would need the recurrent state of the ranks "
                          "before it; megatron-core 0.16.1 has none either); expected 1")
+    if hf_config.get("mtp_num_hidden_layers", 0) > 1:
+        raise ValueError(f"mtp_num_hidden_layers={hf_config['mtp_num_hidden_layers']}: Qwen3.5 keeps one mtp.fc "
+                         "and its norms for every MTP layer, megatron one per layer; expected 0 or 1")
     for field in ("linear_num_key_heads", "linear_num_value_heads"):
         if hf_config[field] % tensor_parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide {field}={hf_config[field]}")

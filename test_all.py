@@ -4201,8 +4201,19 @@ def _qwen35_layouts(checkpoint):
             results["delta net"] = _delta_net_packed_and_alone(model.decoder.layers[0].self_attention)
             results["alone"] = torch.cat([forward.forward_logprobs(model, sequence, length[None]).logprobs.detach()
                                           for sequence, length in zip(input_ids.split(QWEN35_SEQLENS), seqlens)])
-    results["cp refusal"] = str(_raises(lambda: transformer_config(megatron_model.load_hf_config(checkpoint),
-                                                                   context_parallel=2)))
+    # The mutant at TP 2: the gated norm's weight gradient left as each rank's partial sum.
+    import gdn_thd
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    original, gdn_thd.copy_to_tensor_model_parallel_region = gdn_thd.copy_to_tensor_model_parallel_region, \
+        lambda weight, group: weight
+    try:
+        forward.forward_logprobs(model, input_ids, seqlens).logprobs.pow(2).sum().backward()
+    finally:
+        gdn_thd.copy_to_tensor_model_parallel_region = original
+    results["partial norm gradient"] = model.decoder.layers[0].self_attention.out_norm.weight.grad.clone()
+    hf_config = megatron_model.load_hf_config(checkpoint)
+    results["cp refusal"] = str(_raises(lambda: transformer_config(hf_config, context_parallel=2)))
+    results["mtp refusal"] = str(_raises(lambda: transformer_config({**hf_config, "mtp_num_hidden_layers": 2})))
     if torch.distributed.get_rank() == 0:
         results["transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=1.0)
     return results
@@ -4228,6 +4239,7 @@ def test_megatron_model_qwen35_matches_transformers_packed_at_tp_1_and_2_and_ref
     # forward tolerance, the gated DeltaNet's alone to PACKED_TOLERANCE (test_gdn_thd_...).
     torch.testing.assert_close(ranks[0][1]["logprobs"], ranks[0]["alone"], rtol=0, atol=FORWARD_TOLERANCE)
     assert "context_parallel=2" in ranks[0]["cp refusal"] and "gated-DeltaNet" in ranks[0]["cp refusal"]
+    assert ranks[0]["mtp refusal"].startswith("mtp_num_hidden_layers=2: Qwen3.5 keeps one mtp.fc")
     # Training at TP 2 moves every weight as at TP 1 (the heads' split and its gathers).
     grads = {tp: ranks[1][tp]["grads"] for tp in (1, 2)}
     relative = {name: float((grads[2][name] - grad).abs().max() / grad.abs().max()) for name, grad in grads[1].items()}
@@ -4241,6 +4253,9 @@ def test_megatron_model_qwen35_matches_transformers_packed_at_tp_1_and_2_and_ref
     # 16 x softplus per token over 64-token chunks): fp32 rounding of those sums, which
     # another matmul order moves, reaches 1e-4 of the gradients of the decay's parameters.
     assert max(decay.values()) < DECAY_GRADIENT_TOLERANCE
+    # Without the sum over TP ranks, the gated norm's gradient is wrong (a mutant, in the run).
+    norm_gradient = ranks[0][2]["grads"]["model.layers.0.linear_attn.norm.weight"]
+    assert (ranks[0]["partial norm gradient"] - norm_gradient).abs().max() > 1e-2 * norm_gradient.abs().max()
     assert all(grads[1][f"model.layers.0.linear_attn.{name}"].abs().max() > 0 for name in
                ("A_log", "dt_bias", "conv1d.weight", "in_proj_qkv.weight", "in_proj_b.weight", "norm.weight"))
 
