@@ -109,8 +109,8 @@ POSITIVE, NON_NEGATIVE = number(float, above=0), number(float, at_least=0)
 
 def add_data_flags(p):
     p.add_argument("--model", default=None,
-                   help="HF checkpoint dir of a MiMo, DeepSeek-V3 or GLM-4.5 model with MTP layers; default: the "
-                        "built-in model of --builtin-model")
+                   help="HF checkpoint dir of a MiMo, DeepSeek-V3, GLM-4.5 or Qwen3.5 model with MTP layers; default: "
+                        "the built-in model of --builtin-model")
     p.add_argument("--builtin-model", choices=sorted(tiny_model.BUILTIN_MODELS), default=None,
                    help="the built-in model (written once under runs/) used without --model; default: the task's "
                         "(" + ", ".join(f"{task}: {spec['model']}" for task, spec in tasks.TASKS.items()) + ")")

@@ -242,7 +242,8 @@ def hf_names_for(megatron_name, config=None, expert_rank=None):
                 found = kind, tuple(prefix + suffix for suffix in suffixes)
     if found is None:
         raise ValueError(f"megatron parameter {megatron_name!r} has no Hugging Face name: expected a MiMo, "
-                         "DeepSeek-V3 or GLM-4.5 GPT built by megatron_model.py with megatron's local or TE spec")
+                         "DeepSeek-V3, GLM-4.5 or Qwen3.5 GPT built by megatron_model.py with megatron's local or TE "
+                         "spec")
     return found
 
 

@@ -78,7 +78,7 @@ def load_hf_config(model):
 
 
 def model_family(hf_config):
-    """"mimo", "deepseek" or "glm" for a HF config dict; ValueError naming the architectures we build."""
+    """"mimo", "deepseek", "glm" or "qwen3.5" for a HF config dict; ValueError naming the architectures we build."""
     architectures = hf_config.get("architectures") or []
     for architecture in architectures:
         if architecture in FAMILIES:
@@ -611,7 +611,7 @@ def _moe_and_mla_know_transformer_engine_is_absent():
 
 
 def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
-    """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3 or GLM-4.5.
+    """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3, GLM-4.5 or Qwen3.5.
 
     Weights are megatron's random init, on the current GPU when there is one; load real ones
     with hf_weights.py. `attention`:

@@ -518,10 +518,11 @@ def write_checkpoint(out_dir, config, seed=0):
 
 
 def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
-    """Write a tiny checkpoint of `family` ("mimo", "deepseek" or "glm") to `out_dir`; returns the path.
+    """Write a tiny checkpoint of `family` ("mimo", "deepseek", "glm" or "qwen3.5") to `out_dir`; returns
+    the path.
 
     `sizes` are keywords of the family's config function (`mimo_config`, `deepseek_config`,
-    `glm_config`). Skips the work when `out_dir` already holds a checkpoint written with
+    `glm_config`, `qwen35_config`). Skips the work when `out_dir` already holds a checkpoint written with
     the same config and seed, so callers can use it as a cache.
     """
     if family not in FAMILY_CONFIGS:
