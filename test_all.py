@@ -4226,6 +4226,15 @@ def _qwen35_layout_results(checkpoint):
 
 
 def test_megatron_model_qwen35_matches_transformers_packed_at_tp_1_and_2_and_refuses_cp(qwen35_tiny):
+    # Every field of the published text config is read or inert; the 9B trunk's pattern and heads.
+    published = tiny_model.QWEN35_9B_TEXT
+    assert megatron_model.unsupported_fields(published) == []
+    assert megatron_model.unsupported_fields({**published, "attn_output_gate": False}) == [
+        "attn_output_gate=False: this project builds Qwen3.5's gated full attention, the one transformers and vLLM "
+        "build; expected True"]
+    config = megatron_model.transformer_config(published)
+    assert (config.linear_attention_freq[:4], config.kv_channels, config.num_query_groups, config.mtp_num_layers,
+            megatron_model.partial_rotary_factor(published)) == ([1, 1, 1, 0], 256, 4, 1, 0.25)
     ranks = _qwen35_layout_results(qwen35_tiny)
     reference = ranks[0]["transformers"]
     for tp in (1, 2):
