@@ -89,16 +89,17 @@ class PackedGatedDeltaNet(GatedDeltaNet):
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, **unused):
         if inference_context is not None:
             raise NotImplementedError("PackedGatedDeltaNet trains and scores; it keeps no inference cache")
+        # cp_thd's SharedPrefixSeqParams: its units say which slots attend to which.
         if hasattr(packed_seq_params, "unit_starts"):
             raise NotImplementedError("the shared-prefix layout (cp_thd) shares one prompt between completions "
                                       "through the attention mask; a gated DeltaNet's recurrent state would have "
                                       "to fork at the prompt's end: expected plain packed sequences")
+        if packed_seq_params is not None and hidden_states.shape[1] != 1:
+            raise ValueError(f"packed THD batch of shape {tuple(hidden_states.shape)}: expected batch size 1")
         projected, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp]
         if packed_seq_params is None:
             mixed = self._mix(projected.transpose(0, 1)).transpose(0, 1)
         else:
-            if projected.shape[1] != 1:
-                raise ValueError(f"packed THD batch of shape {tuple(projected.shape)}: expected batch size 1")
             sequence, position, longest = token_slots(sequence_boundaries(packed_seq_params, projected.shape[0]))
             rows = projected.new_zeros(int(sequence.max()) + 1, longest, projected.shape[-1])
             rows[sequence, position] = projected[:, 0]
