@@ -294,8 +294,8 @@ def _qwen35_layer_weights(prefix, config, layer_type, normal):
         value_heads = config["linear_num_value_heads"]
         value_dim = value_heads * config["linear_value_head_dim"]
         conv_dim = 2 * key_dim + value_dim
-        # The convolution at 10 x init_std: at 0.02 the DeltaNet's queries, keys and values
-        # (silu of it) stay near zero, and so does all that its recurrent state adds.
+        # The convolution at 10 x init_std: at 0.02 the DeltaNet's values
+        # (silu of its output) stay near zero, and so does all that its recurrent state adds.
         weights.update({f"linear_attn.{name}": tensor for name, tensor in {
             "in_proj_qkv.weight": normal(conv_dim, hidden), "in_proj_z.weight": normal(value_dim, hidden),
             "in_proj_b.weight": normal(value_heads, hidden), "in_proj_a.weight": normal(value_heads, hidden),
