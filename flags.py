@@ -699,14 +699,17 @@ def plan_world_size(args):
 def plan_config(settings, world_size, bf16):
     """The memory plan's settings: memory_plan.PlanConfig. `bf16`: the GPU's default when --bf16 is
     not given (a plan is made for the GPUs, maybe on a host without one). A micro-batch's
-    tokens: its sequences (--prompts-per-step x --group-size per data-parallel rank, over
-    --mini-batches x --micro-batches) x --max-new-tokens plus a prompt of MIN_MODEL_LEN."""
+    tokens: --max-tokens-per-micro-batch, else its sequences (--prompts-per-step x
+    --group-size per data-parallel rank, over --mini-batches x --micro-batches) x
+    --max-new-tokens plus a prompt of MIN_MODEL_LEN."""
     sequences = settings.prompts_per_step * settings.group_size // (settings.mini_batches * settings.micro_batches)
     return memory_plan.PlanConfig(
         world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, bf16=bf16,
+        distributed_optimizer=settings.distributed_optimizer,
         mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout,
         auto_draft=settings.num_speculative_tokens == "auto", reference_model=settings.kl_coef > 0,
-        micro_batch_tokens=sequences * (settings.max_new_tokens + MIN_MODEL_LEN), rollout_tp=settings.rollout_tp,
+        micro_batch_tokens=settings.max_tokens_per_micro_batch or sequences * (settings.max_new_tokens + MIN_MODEL_LEN),
+        rollout_tp=settings.rollout_tp,
         gpu_memory_utilization=settings.gpu_memory_utilization, device_memory=settings.device_memory)
 
 
