@@ -181,11 +181,16 @@ def add_layout_flags(p):
     p.add_argument("--ep", type=POSITIVE_INT, default=1,
                    help="Megatron expert parallel size: an MoE model's routed experts split over this many "
                         "data-parallel ranks (1: every rank holds every expert)")
+    p.add_argument("--pp", type=POSITIVE_INT, default=1,
+                   help="Megatron pipeline parallel size: the decoder layers split evenly over this many stages, the "
+                        "MTP layers on the last (megatron-core's 1F1B schedule over the micro-batches; set "
+                        "--micro-batches to at least --pp to keep every stage busy)")
     p.add_argument("--routing-replay", action=argparse.BooleanOptionalAction, default=None,
                    help="MoE models: Megatron's routers use the experts vLLM routed each token to in the rollout "
                         "(rollout routing replay, R3) instead of their own; off, the share of tokens whose experts "
-                        "agree is logged as routing_agreement (default: on for an MoE model; it costs no measurable "
-                        "time and keeps tokens that vLLM and Megatron route differently out of the log-prob mismatch)")
+                        "agree is logged as routing_agreement (default: on for an MoE model without --pp; it costs no "
+                        "measurable time and keeps tokens that vLLM and Megatron route differently out of the "
+                        "log-prob mismatch)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
@@ -335,6 +340,7 @@ def layout_problems(args, world_size):
     if args.ep > 1 and world_size % (args.tp * args.ep):
         problems.append(f"--tp {args.tp} x --ep {args.ep} = {args.tp * args.ep}: expected a divisor of the world "
                         f"size {world_size}")
+    problems += pipeline_problems(args, world_size)
     if world_size % args.rollout_tp:
         problems.append(f"--rollout-tp {args.rollout_tp}: expected a divisor of the world size {world_size}")
     sequences = args.prompts_per_step * args.group_size
@@ -354,6 +360,23 @@ def layout_problems(args, world_size):
     except (TypeError, ValueError, RuntimeError) as error:
         problems.append(f"--spec-config {args.spec_config!r}: {error}")
     return problems + checkpoint.out_problems(args.out, args.resume)
+
+
+def pipeline_problems(args, world_size):
+    """--pp against the world and the flags pipeline stages do not run with (pipeline.py)."""
+    if args.pp == 1:
+        return []
+    problems = []
+    for flag, size in (("--cp", args.cp), ("--ep", args.ep)):
+        if world_size % (args.tp * size * args.pp):
+            problems.append(f"--tp {args.tp} x {flag} {size} x --pp {args.pp} = {args.tp * size * args.pp}: expected "
+                            f"a divisor of the world size {world_size}")
+    refused = (("--kl-coef", args.kl_coef > 0, "its reference model's forward does not run over stages"),
+               ("--routing-replay", args.routing_replay is True, "each stage's routers hold only its layers' share of "
+                                                                 "the rollout's routing"))
+    problems += [f"{flag} with --pp {args.pp}: {why}; leave the flag out or use --pp 1" for flag, given, why in refused
+                 if given]
+    return problems
 
 
 def data_problems(args):
@@ -435,6 +458,10 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
+    layers = hf_config.get("num_hidden_layers", 0)
+    if args.pp > 1 and layers % args.pp:
+        problems.append(f"--pp {args.pp}: expected a divisor of {where}'s {layers} decoder layers (num_hidden_layers; "
+                        "every stage holds as many)")
     obstacle = shared_prefix_obstacle(args, hf_config)
     if args.shared_prefix and obstacle:
         problems.append(f"--shared-prefix: {obstacle}; leave the flag out")
@@ -468,6 +495,8 @@ def shared_prefix_obstacle(args, hf_config):
     --shared-prefix is refused with it, and its default is on without."""
     if args.cp > 1:
         return f"its layout is context parallel size 1 (this run has --cp {args.cp})"
+    if args.pp > 1:
+        return f"it runs without pipeline stages (this run has --pp {args.pp})"
     if hf_config.get("n_routed_experts") and args.tp > 1:
         return (f"{model_description(args)} is an MoE model, which trains under --tp {args.tp} with sequence "
                 "parallelism, and the layout has none")
@@ -497,7 +526,8 @@ def resolve(args, hf_config):
         "lr": args.lr if args.lr is not None else DATA_LR if args.data else tasks.TASKS[args.task]["lr"],
         "mtp_rollout": has_mtp if args.mtp_rollout is None else args.mtp_rollout,
         "mtp_train": args.mtp_train and has_mtp,
-        "routing_replay": "n_routed_experts" in hf_config if args.routing_replay is None else args.routing_replay,
+        "routing_replay": ("n_routed_experts" in hf_config and args.pp == 1) if args.routing_replay is None
+        else args.routing_replay,
         "bf16": torch.cuda.is_available() if args.bf16 is None else args.bf16,
         "builtin_model": None if args.model else builtin_model(args)[0],
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),

@@ -4521,19 +4521,21 @@ def _pipeline_samples():
             for index, (prompt, response) in enumerate(lengths[i % half] for i in range(PIPELINE_SEQUENCES))]
 
 
-def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, tie_left=False):
+def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
     """One optimizer step of trainer.train_step at (tp, pp, ep), lr 0 and no clipping, after
     the old log-probs' forward-only pass: this rank's old log-probs (None off the last
     stage), the step's metrics, every gradient in HF layout (gathered over TP, EP and the
-    stages), whether the HF -> Megatron -> HF round trip was bit-exact, and where the last
-    stage holds a copy of the word embeddings, how far its gradient is from the first
-    stage's. `tie_left`: the mutant that leaves the copies' gradients unsummed."""
+    stages), whether the HF -> Megatron -> HF round trip was bit-exact, and where a stage
+    holds an end of the tied word embeddings, how far its gradient is from the first
+    stage's before and after pipeline.sum_embedding_grads (None elsewhere)."""
     from megatron.core import parallel_state
-    cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, seed=0)
+    cpu_backend.init_model_parallel(tensor_parallel=tp, context_parallel=cp, expert_parallel=ep, pipeline_parallel=pp,
+                                    seed=0)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    config = trainer.TrainConfig(lr=0.0, grad_clip=1e9, tp=tp, ep=ep, pp=pp, ppo_epochs=2,
+    config = trainer.TrainConfig(lr=0.0, grad_clip=1e9, tp=tp, cp=cp, ep=ep, pp=pp, ppo_epochs=2,
                                  micro_batches=PIPELINE_MICRO_BATCHES // dp_size)
-    model = megatron_model.build_gpt_model(checkpoint, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp)
+    model = megatron_model.build_gpt_model(checkpoint, tensor_parallel=tp, context_parallel=cp, expert_parallel=ep,
+                                           pipeline_parallel=pp)
     hf_weights.load_hf_into_megatron(model, checkpoint)
     expected = load_file(os.path.join(checkpoint, "model.safetensors"))
     round_trip = dict(hf_weights.megatron_to_hf(model))
@@ -4542,27 +4544,33 @@ def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, tie_left=False):
     policy = trainer.Policy(model, *trainer.build_optimizer(model, config.lr, config.grad_clip))
     share = PIPELINE_SEQUENCES // dp_size
     mine = _pipeline_samples()[dp_rank * share:(dp_rank + 1) * share]
-    summed = pipeline.sum_embedding_grads
-    if tie_left:
-        pipeline.sum_embedding_grads = lambda model, attribute="main_grad": None
+    tied, summed = [], pipeline.sum_embedding_grads
+
+    def ends_apart():
+        grad = model.embedding.word_embeddings.weight.main_grad
+        first = grad.clone()
+        torch.distributed.broadcast(first, src=parallel_state.get_pipeline_model_parallel_first_rank(),
+                                    group=parallel_state.get_embedding_group())
+        return (grad - first).abs().max().item()
+
+    def sum_recorded(model, attribute="main_grad"):
+        tied.append(ends_apart())
+        summed(model, attribute)
+        tied.append(ends_apart())
+
+    if pp > 1 and parallel_state.is_rank_in_embedding_group():
+        pipeline.sum_embedding_grads = sum_recorded
     try:
         trainer.record_old_logprobs(policy, mine, config)
         metrics = trainer.reduce_metrics(trainer.train_step(policy, mine, config), torch.device("cpu"))
     finally:
         pipeline.sum_embedding_grads = summed
-    tied = None
-    if pp > 1 and parallel_state.is_rank_in_embedding_group():
-        grad = model.embedding.word_embeddings.weight.main_grad.clone()
-        first = grad.clone()
-        torch.distributed.broadcast(first, src=parallel_state.get_pipeline_model_parallel_first_rank(),
-                                    group=parallel_state.get_embedding_group())
-        tied = (grad - first).abs().max().item()
     for param in model.parameters():
         param.data = param.main_grad.clone() if getattr(param, "main_grad", None) is not None else param.data * 0
     grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
              if not name.endswith("e_score_correction_bias")}
     return {"old_logprobs": [sample.get("old_logprobs") for sample in mine], "dp": (dp_rank, dp_size),
-            "metrics": metrics, "grads": grads, "round_trip_exact": round_trip_exact, "tied": tied}
+            "metrics": metrics, "grads": grads, "round_trip_exact": round_trip_exact, "tied": tied or None}
 
 
 def _pipeline_layouts(checkpoints, layouts):
@@ -4574,8 +4582,9 @@ def _pipeline_layouts(checkpoints, layouts):
 
 PIPELINE_LAYOUTS = {
     1: (("mimo", "mimo", {}), ("deepseek", "deepseek", {})),
-    2: (("mimo pp 2", "mimo", {"pp": 2}), ("mimo pp 2, copies' gradients unsummed", "mimo", {"pp": 2, "tie_left": True})),
-    4: (("mimo pp 2 x tp 2", "mimo", {"pp": 2, "tp": 2}), ("deepseek pp 2 x ep 2", "deepseek", {"pp": 2, "ep": 2})),
+    2: (("mimo pp 2", "mimo", {"pp": 2}),),
+    4: (("mimo pp 2 x tp 2", "mimo", {"pp": 2, "tp": 2}), ("mimo pp 2 x cp 2", "mimo", {"pp": 2, "cp": 2}),
+        ("deepseek pp 2 x ep 2", "deepseek", {"pp": 2, "ep": 2})),
 }
 
 
@@ -4608,16 +4617,15 @@ def test_pipeline_stages_equal_one_rank_in_logprobs_mtp_loss_and_every_gradient(
         assert one_rank[family]["grads"][mtp_input].abs().sum() > 0
     for world in (2, 4):
         for rank, ranks_results in enumerate(results[world]):
-            for name, family, options in PIPELINE_LAYOUTS[world]:
-                if "unsummed" not in name:
-                    _assert_pipeline_equals_one_rank(one_rank[family], ranks_results[name], f"{name}, rank {rank}")
-    # The two ends of the tied word embeddings: one gradient, unless the sum is left out.
+            for name, family, _ in PIPELINE_LAYOUTS[world]:
+                _assert_pipeline_equals_one_rank(one_rank[family], ranks_results[name], f"{name}, rank {rank}")
+    # The two ends of the tied word embeddings, (before, after) their gradients are summed:
+    # decoupled, the MTP layers' copy gets no gradient of its own, so unsummed it would
+    # stay put while the first stage's table moves.
     ends = [ranks_results[name]["tied"] for ranks_results in results[2] + results[4] for name in ranks_results
-            if "unsummed" not in name and ranks_results[name]["tied"] is not None]
-    assert len(ends) == 2 + 4 + 4 and max(ends) == 0.0
-    # Decoupled, the MTP layers' copy gets no gradient of its own: unsummed, it stays at 0
-    # while the first stage's table moves, and the two ends part after one step.
-    assert max(ranks_results["mimo pp 2, copies' gradients unsummed"]["tied"] for ranks_results in results[2]) > 1e-4
+            if ranks_results[name]["tied"] is not None]
+    assert len(ends) == 2 + 3 * 4 and max(after for _, after in ends) == 0.0
+    assert max(before for before, _ in ends) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------
@@ -5211,6 +5219,29 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-target", "soft"])
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
+
+
+def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot_run():
+    assert flags.flag_problems(flags.parse_args(["--pp", "2"]), world_size=2) == []
+    settings = flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2)
+    # Each prompt's completions trained apart (no shared prefix), stages in the train config.
+    assert not settings.shared_prefix and flags.train_config(settings).pp == 2
+    assert not flags.check_args(flags.parse_args(["--pp", "2", "--builtin-model", "deepseek"]), 4).routing_replay
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--tp", "2"]), world_size=2) == [
+        "--tp 2 x --cp 1 x --pp 2 = 4: expected a divisor of the world size 2",
+        "--tp 2 x --ep 1 x --pp 2 = 4: expected a divisor of the world size 2"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "4"]), world_size=4) == [
+        "--pp 4: expected a divisor of the built-in tiny model's 2 decoder layers (num_hidden_layers; every stage "
+        "holds as many)"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--kl-coef", "0.1", "--routing-replay"]), 2) == [
+        "--kl-coef with --pp 2: its reference model's forward does not run over stages; leave the flag out or use "
+        "--pp 1",
+        "--routing-replay with --pp 2: each stage's routers hold only its layers' share of the rollout's routing; "
+        "leave the flag out or use --pp 1"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--shared-prefix"]), 2) == [
+        "--shared-prefix: it runs without pipeline stages (this run has --pp 2); leave the flag out"]
+    with pytest.raises(SystemExit, match="argument --pp: '0': expected an int >= 1|argument --pp: 0: expected"):
+        flags.parse_args(["--pp", "0"])
 
 
 def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
