@@ -4541,7 +4541,8 @@ def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
     round_trip = dict(hf_weights.megatron_to_hf(model))
     round_trip_exact = set(round_trip) == set(expected) and all(torch.equal(round_trip[name], tensor)
                                                                 for name, tensor in expected.items())
-    policy = trainer.Policy(model, *trainer.build_optimizer(model, config.lr, config.grad_clip))
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, config.lr, config.grad_clip,
+                                                            overlap_grad_reduce=pp == 1))
     share = PIPELINE_SEQUENCES // dp_size
     mine = _pipeline_samples()[dp_rank * share:(dp_rank + 1) * share]
     tied, summed = [], pipeline.sum_embedding_grads

@@ -136,7 +136,11 @@ def build_policy(model_dir, config):
         # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
         # only while the final norm's weight is uniform. Keep it as it is.
         model.decoder.final_layernorm.weight.requires_grad_(False)
-    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip), reference)
+    # With stages the last one's copy of the word embeddings gets no gradient of its own (the
+    # MTP loss is decoupled from the trunk), and megatron's overlapped all-reduce waits for
+    # every parameter of a bucket: the gradients are all-reduced after the backward instead.
+    overlap = config.pp == 1
+    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip, overlap_grad_reduce=overlap), reference)
 
 
 # ---------------------------------------------------------------------------------------
