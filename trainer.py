@@ -16,7 +16,7 @@ every rank before the optimizer touches the weights, so the last checkpoint stay
 
 Every setting arrives in one `TrainConfig`, the loss's in its `grpo_loss.LossConfig`.
 Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
-megatron_model and hf_weights.
+megatron_model, hf_weights and pipeline (--pp: the micro-batches through the stages).
 """
 
 import contextlib
@@ -330,7 +330,7 @@ def train_step(policy, samples, config):
     policy.optimizer.zero_grad()
     sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
     if pipeline.stages() > 1:
-        sums = pipelined_micro_batches(policy, samples, num_tokens, config, sums)
+        sums = _pipelined_micro_batches(policy, samples, num_tokens, config, sums)
     else:
         for start in range(0, len(samples), per_micro):
             loss = micro_batch_loss(policy, samples[start:start + per_micro], len(samples) * dp_size, num_tokens,
@@ -362,7 +362,7 @@ def train_step(policy, samples, config):
     return dict(sums, grad_norm=grad_norm)
 
 
-def pipelined_micro_batches(policy, samples, num_tokens, config, sums):
+def _pipelined_micro_batches(policy, samples, num_tokens, config, sums):
     """`train_step`'s micro-batches through the pipeline stages (pipeline.py's 1F1B): every
     stage packs each micro-batch alike, the last computes `micro_batch_loss`. Returns the
     metric sums, the last stage's on every stage. Raises FloatingPointError on every rank,
