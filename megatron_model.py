@@ -284,9 +284,7 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
     sequence_parallel: None is on where megatron-core needs it, for MoE layers under tensor
     parallelism (their token dispatcher splits the sequence over the TP ranks: without it
     every rank routes every token and the experts' gradients come out TP-fold).
-    pipeline_parallel: stages of num_hidden_layers / pipeline_parallel layers each (it must
-    divide them); the hidden states between stages are packed THD micro-batches of varying
-    length, so their shape travels with them (`variable_seq_lengths`, set on the result).
+    pipeline_parallel: stages of num_hidden_layers / pipeline_parallel layers each (`_with_stages`).
     """
     family = model_family(hf_config)
     refuse_unsupported_fields(hf_config)
@@ -332,28 +330,33 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         fields["mtp_num_layers"] = None
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if pipeline_parallel > 1:
-        fields.update(_pipeline_fields(hf_config, pipeline_parallel, params_dtype))
+    fields.update(_pipeline_fields(hf_config, pipeline_parallel, params_dtype))
     config_class = MLATransformerConfig if family == "deepseek" else TransformerConfig
-    config = _with_overrides(config_class, fields, overrides)
-    if pipeline_parallel > 1:
-        # Packed micro-batches differ in length: the schedule sends each hidden state's shape
-        # ahead of it. Set after construction: the config's check refuses the flag beside
-        # the all-gather MoE dispatcher (set for dense models too), whose all-gather needs
-        # as many tokens on every TP x EP rank of a micro-batch, a condition of expert
-        # parallelism that stages do not change.
-        config.variable_seq_lengths = True
-    return config
+    return _with_stages(_with_overrides(config_class, fields, overrides), pipeline_parallel)
 
 
 def _pipeline_fields(hf_config, pipeline_parallel, params_dtype):
-    """TransformerConfig fields of `pipeline_parallel` stages: layers split evenly, the MTP
-    layers on the last stage (megatron-core's placement without a custom layout)."""
+    """TransformerConfig fields of `pipeline_parallel` stages ({} for one): layers split
+    evenly, the MTP layers on the last stage (megatron-core's placement without a custom
+    layout); ValueError where the stages do not divide the layers."""
+    if pipeline_parallel == 1:
+        return {}
     num_layers = hf_config["num_hidden_layers"]
     if num_layers % pipeline_parallel:
         raise ValueError(f"pipeline_parallel={pipeline_parallel} must divide num_hidden_layers={num_layers} "
                          "(every stage holds as many layers)")
     return {"pipeline_model_parallel_size": pipeline_parallel, "pipeline_dtype": params_dtype}
+
+
+def _with_stages(config, pipeline_parallel):
+    """`config`, which under pipeline parallelism sends the shape of each hidden state ahead
+    of it between stages: packed micro-batches differ in length (`variable_seq_lengths`).
+    Set after construction: the config's check refuses the flag beside megatron's all-gather
+    MoE dispatcher (set for dense models too), whose all-gather needs as many tokens on
+    every TP x EP rank of a micro-batch, a condition of expert parallelism stages do not change."""
+    if pipeline_parallel > 1:
+        config.variable_seq_lengths = True
+    return config
 
 
 def _with_overrides(config_class, fields, overrides):

@@ -4512,8 +4512,8 @@ def _pipeline_samples():
     ranks needs as many tokens on each."""
     generator = torch.Generator().manual_seed(0)
     half = PIPELINE_SEQUENCES // 2
-    lengths = [(int(torch.randint(3, 9, (1,), generator=generator)), int(torch.randint(2, 12, (1,), generator=generator)))
-               for _ in range(half)]
+    lengths = [(int(torch.randint(3, 9, (1,), generator=generator)),
+                int(torch.randint(2, 12, (1,), generator=generator))) for _ in range(half)]
     return [{"prompt_ids": torch.randint(3, 100, (prompt,), generator=generator).tolist(),
              "response_ids": torch.randint(3, 100, (response,), generator=generator).tolist(),
              "advantages": torch.randn(response, generator=generator),
