@@ -97,12 +97,13 @@ def init_distributed(timeout_minutes=DEFAULT_TIMEOUT_MINUTES, form_timeout_secon
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234, expert_parallel=1):
+def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234, expert_parallel=1, pipeline_parallel=1):
     """megatron-core's parallel groups and RNG seeds, after `init_distributed`.
 
     Data parallel is what remains of the world; `expert_parallel` ranks of it (times the
-    context-parallel ones) split an MoE layer's experts. Re-initialises if groups already
-    exist (tests run several layouts in one process).
+    context-parallel ones) split an MoE layer's experts; `pipeline_parallel` stages split
+    the layers (megatron's embedding group, over gloo on CPU, joins the first and last
+    stage). Re-initialises if groups already exist (tests run several layouts in one process).
     """
     world_size = dist.get_world_size()
     if world_size % (tensor_parallel * context_parallel):
@@ -111,11 +112,16 @@ def init_model_parallel(tensor_parallel=1, context_parallel=1, seed=1234, expert
     if world_size % (tensor_parallel * expert_parallel):
         raise ValueError(f"tensor_parallel={tensor_parallel} x expert_parallel={expert_parallel} "
                          f"does not divide the world size {world_size}")
+    for name, size in (("context_parallel", context_parallel), ("expert_parallel", expert_parallel)):
+        if world_size % (tensor_parallel * size * pipeline_parallel):
+            raise ValueError(f"tensor_parallel={tensor_parallel} x {name}={size} x pipeline_parallel="
+                             f"{pipeline_parallel} does not divide the world size {world_size}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                              context_parallel_size=context_parallel,
-                                             expert_model_parallel_size=expert_parallel)
+                                             expert_model_parallel_size=expert_parallel,
+                                             pipeline_model_parallel_size=pipeline_parallel)
     if not torch.cuda.is_available():
         # On GPU, model_parallel_cuda_manual_seed seeds the default CUDA generator with the
         # data-parallel seed (the same on every rank); the default CPU generator is its
@@ -271,8 +277,19 @@ def install_cpu_redirects():
 
 
 class _CudaOnCpu(TorchFunctionMode):
+    def __enter__(self):
+        # The pipeline schedules' shape exchange synchronises the device after its sends.
+        self._synchronize, torch.cuda.synchronize = torch.cuda.synchronize, _no_synchronize
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        torch.cuda.synchronize = self._synchronize
+        return super().__exit__(*exc_info)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda and args[0].device.type == "cpu":
+            return args[0]
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"
@@ -281,15 +298,24 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _no_synchronize(device=None):
+    return None
+
+
 def cuda_on_cpu():
-    """A context in which megatron-core's optimizer runs on the CPU; a no-op where CUDA is available.
+    """A context in which megatron-core's optimizer and pipeline schedules run on the CPU; a
+    no-op where CUDA is available.
 
     megatron-core's optimizer (0.16: `FP32Optimizer`, `Float16OptimizerWithFloat16Params`,
     `clip_grads`, the local multi-tensor norm, the distributed optimizer) allocates
     scalars and buffers with `device="cuda"` and asserts `grad.type() ==
     "torch.cuda.FloatTensor"`. Inside the block, tensor factories given a CUDA device
-    allocate on the CPU, and CPU tensors name their type as the CUDA one. Scoped, not
-    installed: wrap `get_megatron_optimizer`, `optimizer.step()` and
-    `optimizer.load_state_dict()`, and nothing else sees the disguise.
+    allocate on the CPU, and CPU tensors name their type as the CUDA one. For pipeline
+    parallelism also: `tensor.cuda()` of a CPU tensor is the tensor itself (a later stage's
+    copy of the word embeddings is all-reduced from `weight.data.cuda()` when built), and
+    `torch.cuda.synchronize()` does nothing (the 1F1B schedule's shape exchange calls it).
+    Scoped, not installed: wrap `get_megatron_optimizer`, `optimizer.step()`,
+    `optimizer.load_state_dict()`, a pipeline-parallel model's construction and the
+    schedule, and nothing else sees the disguise.
     """
     return contextlib.nullcontext() if torch.cuda.is_available() else _CudaOnCpu()

@@ -182,11 +182,16 @@ def add_layout_flags(p):
     p.add_argument("--ep", type=POSITIVE_INT, default=1,
                    help="Megatron expert parallel size: an MoE model's routed experts split over this many "
                         "data-parallel ranks (1: every rank holds every expert)")
+    p.add_argument("--pp", type=POSITIVE_INT, default=1,
+                   help="Megatron pipeline parallel size: the decoder layers split evenly over this many stages, the "
+                        "MTP layers on the last (megatron-core's 1F1B schedule over the micro-batches; set "
+                        "--micro-batches to at least --pp to keep every stage busy)")
     p.add_argument("--routing-replay", action=argparse.BooleanOptionalAction, default=None,
                    help="MoE models: Megatron's routers use the experts vLLM routed each token to in the rollout "
                         "(rollout routing replay, R3) instead of their own; off, the share of tokens whose experts "
-                        "agree is logged as routing_agreement (default: on for an MoE model; it costs no measurable "
-                        "time and keeps tokens that vLLM and Megatron route differently out of the log-prob mismatch)")
+                        "agree is logged as routing_agreement (default: on for an MoE model without --pp; it costs no "
+                        "measurable time and keeps tokens that vLLM and Megatron route differently out of the "
+                        "log-prob mismatch)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="megatron-core's distributed optimizer (ZeRO-1): each data-parallel rank holds 1/DP of the "
                         "fp32 main weights and Adam states (an MoE model's experts: 1/DP of the experts' "
@@ -370,6 +375,7 @@ def layout_problems(args, world_size):
     for flag, value in (("--device-memory", args.device_memory), ("--plan-world-size", args.plan_world_size)):
         if value is not None and not args.plan:
             problems.append(f"{flag} {value}: only read with --plan")
+    problems += pipeline_problems(args, world_size)
     if world_size % args.rollout_tp:
         problems.append(f"--rollout-tp {args.rollout_tp}: expected a divisor of the world size {world_size}")
     sequences = args.prompts_per_step * args.group_size
@@ -398,10 +404,30 @@ def token_budget_problems(args):
     if budget and args.micro_batches > 1:
         problems.append(f"--max-tokens-per-micro-batch {budget} with --micro-batches {args.micro_batches}: the token "
                         "budget decides how many micro-batches; expected one of the two")
+    if budget and args.pp > 1:
+        problems.append(f"--max-tokens-per-micro-batch {budget} with --pp {args.pp}: the stages' schedule takes "
+                        "counted micro-batches; expected --pp 1 or --micro-batches")
     if budget and args.cp > 1:
         problems.append(f"--max-tokens-per-micro-batch {budget} with --cp {args.cp}: token-budget micro-batches are "
                         "not built for context parallelism (each sequence padded and split over the CP ranks); "
                         "expected --cp 1 or --micro-batches")
+    return problems
+
+
+def pipeline_problems(args, world_size):
+    """--pp against the world and the flags pipeline stages do not run with (pipeline.py)."""
+    if args.pp == 1:
+        return []
+    problems = []
+    for flag, size in (("--cp", args.cp), ("--ep", args.ep)):
+        if world_size % (args.tp * size * args.pp):
+            problems.append(f"--tp {args.tp} x {flag} {size} x --pp {args.pp} = {args.tp * size * args.pp}: expected "
+                            f"a divisor of the world size {world_size}")
+    refused = (("--kl-coef", args.kl_coef > 0, "its reference model's forward does not run over stages"),
+               ("--routing-replay", args.routing_replay is True, "each stage's routers hold only its layers' share of "
+                                                                 "the rollout's routing"))
+    problems += [f"{flag} with --pp {args.pp}: {why}; leave the flag out or use --pp 1" for flag, given, why in refused
+                 if given]
     return problems
 
 
@@ -484,6 +510,10 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
+    layers = hf_config.get("num_hidden_layers", 0)
+    if args.pp > 1 and layers % args.pp:
+        problems.append(f"--pp {args.pp}: expected a divisor of {where}'s {layers} decoder layers (num_hidden_layers; "
+                        "every stage holds as many)")
     obstacle = shared_prefix_obstacle(args, hf_config)
     if args.shared_prefix and obstacle:
         problems.append(f"--shared-prefix: {obstacle}; leave the flag out")
@@ -539,6 +569,8 @@ def shared_prefix_obstacle(args, hf_config):
     if model_family(hf_config) == "qwen3.5":
         return (f"{model_description(args)}'s gated-DeltaNet layers carry a recurrent state along each sequence, "
                 "which the layout would have to fork at the end of every shared prompt")
+    if args.pp > 1:
+        return f"it runs without pipeline stages (this run has --pp {args.pp})"
     if hf_config.get("n_routed_experts") and args.tp > 1:
         return (f"{model_description(args)} is an MoE model, which trains under --tp {args.tp} with sequence "
                 "parallelism, and the layout has none")
@@ -568,14 +600,15 @@ def resolve(args, hf_config, world_size=1):
         "lr": args.lr if args.lr is not None else DATA_LR if args.data else tasks.TASKS[args.task]["lr"],
         "mtp_rollout": has_mtp if args.mtp_rollout is None else args.mtp_rollout,
         "mtp_train": args.mtp_train and has_mtp,
-        "routing_replay": "n_routed_experts" in hf_config if args.routing_replay is None else args.routing_replay,
+        "routing_replay": ("n_routed_experts" in hf_config and args.pp == 1) if args.routing_replay is None
+        else args.routing_replay,
         "bf16": torch.cuda.is_available() if args.bf16 is None else args.bf16,
         "builtin_model": None if args.model else builtin_model(args)[0],
         "max_positions": hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
         "shared_prefix": (shared_prefix_obstacle(args, hf_config) is None if args.shared_prefix is None
                           else args.shared_prefix),
-        "distributed_optimizer": (world_size // (args.tp * args.cp) > 1 if args.distributed_optimizer is None
+        "distributed_optimizer": (world_size // (args.tp * args.cp * args.pp) > 1 if args.distributed_optimizer is None
                                   else args.distributed_optimizer),
     }
     return argparse.Namespace(**{**vars(args), **derived})

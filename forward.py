@@ -181,6 +181,20 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
                          routing_agreement=routing.get("agreement"))
 
 
+def forward_stage(model, input_ids, seqlens, *, mtp_train=False, pad_id=0, pad_multiple=1):
+    """A pipeline stage before the last: this stage's output hidden states [s, 1, hidden]
+    (s: this CP rank's packed slots, over TP under sequence parallelism) for the packed
+    sequences, `forward_logprobs`' layout (pack_thd; input_ids [T_total] int, seqlens [B]
+    int), from the previous stage's hidden states (megatron's `set_input_tensor`) or, on
+    the first stage, the embedding. The last stage runs `forward_logprobs` on the same batch."""
+    cp_group = parallel_state.get_context_parallel_group()
+    seqlens = torch.as_tensor(seqlens, device=input_ids.device)
+    batch = _packed_batch(model, input_ids, seqlens, None, cp_group, pad_id=pad_id, pad_multiple=pad_multiple,
+                          prefix_group_size=None, mtp_train=mtp_train)
+    return model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None] if mtp_train else None,
+                 attention_mask=None, packed_seq_params=batch.packed_seq_params)
+
+
 def _check_mtp_target(mtp_target, mtp_train):
     """Refuse an MTP target that is not one of MTP_TARGET_MODES, or policy targets that the
     model's MTP loss would not read (megatron-core unpatched: it would train on the sampled

@@ -39,7 +39,9 @@ Tensor and expert parallelism: every HF tensor travels whole. Loading slices it 
 tensor-parallel (experts: expert-tensor-parallel) group and the experts over the
 expert-parallel group; vLLM's own weight loaders slice it again
 for the rollout engine's tensor-parallel layout, so trainer and rollout engine may use
-different tensor-parallel sizes. Pipeline parallelism is not supported.
+different tensor-parallel sizes. Under pipeline parallelism each stage names its layers
+with the model's layer numbers and loads only its own; the export broadcasts every stage's
+tensors to the other stages (the MTP layers, on the last stage, included).
 
 Imports torch, the standard library, megatron-core and safetensors; no vLLM (the trainer
 and an HF export need none).
@@ -297,28 +299,39 @@ def _tensor_parallel(entry):
     return parallel_state.get_tensor_model_parallel_group(), size, parallel_state.get_tensor_model_parallel_rank()
 
 
-# Per GPTModel: megatron name -> (kind, HF names, is_mtp, is_expert). Every push and draft
+# Per GPTModel: megatron name -> (the model's name for it, kind, HF names, is_mtp, is_expert). Every push and draft
 # check maps every tensor's name through regular expressions: once per model is enough (the
 # tensors themselves are looked up on each call, so a buffer a `.to()` replaced is current).
 _NAME_MAPS = weakref.WeakKeyDictionary()
 
 
+def _global_name(name, layer_offset):
+    """A megatron name with its decoder layer numbered over the whole model: each pipeline
+    stage numbers its own layers from 0, its first being layer `layer_offset` of the model."""
+    match = DECODER_LAYER.fullmatch(name)
+    if match is None or not layer_offset:
+        return name
+    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+
+
 def _plan(model):
     """One `_Entry` per megatron tensor, in the model's order (layer by layer): the
-    parameters, and the routers' expert biases (buffers, as in HF)."""
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("hf_weights does not support pipeline parallelism "
-                                  f"(pipeline size {parallel_state.get_pipeline_model_parallel_world_size()})")
+    parameters, and the routers' expert biases (buffers, as in HF). Under pipeline
+    parallelism this stage's, named with the model's layer numbers."""
     model = unwrap_model(model)
     tensors = dict(model.named_parameters())
     for name, buffer in model.named_buffers():
         if name.endswith("router.expert_bias"):
             tensors[name] = buffer
+    # megatron numbers a layer's `layer_number` over the whole model, from 1.
+    layers = model.decoder.layers
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
     names = _NAME_MAPS.setdefault(model, {})
     for name in tensors.keys() - names.keys():
-        names[name] = (*hf_names_for(name, model.config), name.startswith("mtp."),
+        global_name = _global_name(name, layer_offset)
+        names[name] = (global_name, *hf_names_for(global_name, model.config), name.startswith("mtp."),
                        ROUTED_EXPERT.search(name) is not None)
-    return [_Entry(name, tensor, *names[name]) for name, tensor in tensors.items()]
+    return [_Entry(names[name][0], tensor, *names[name][1:]) for name, tensor in tensors.items()]
 
 
 def _full_hf_shapes(entry, config):
@@ -414,8 +427,8 @@ def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
     # megatron shares the main model's, so the copies are read by nothing.
     expected.update(_mtp_shared_copy_names(config))
     problems += quantization_problems(checkpoint, expected)
+    problems, expected, model_has_mtp = _union_over_stages(problems, expected, any(entry.is_mtp for entry in plan))
     expected.update(name + SCALE_SUFFIX for name in list(expected) if checkpoint.is_quantized(name))
-    model_has_mtp = any(entry.is_mtp for entry in plan)
     for name in sorted(set(checkpoint.files) - expected):
         # A checkpoint with MTP layers loads into a model built without them (mtp=False).
         if not model_has_mtp and _is_mtp_hf_name(name, config):
@@ -425,6 +438,19 @@ def _check_checkpoint(plan, checkpoint, hf_config, config, hf_dir):
     if problems:
         raise ValueError(f"checkpoint {hf_dir!r} does not match the model ({len(problems)} problem(s)); "
                          "nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+def _union_over_stages(problems, expected, has_mtp):
+    """(problems, expected HF names, whether the model has MTP layers) of the whole model:
+    each pipeline stage's gathered over the pipeline group (unchanged without stages), so
+    that every stage refuses together and none takes another stage's tensors for strays."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return problems, expected, has_mtp
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages = [None] * group.size()
+    dist.all_gather_object(stages, (problems, expected, has_mtp), group=group)
+    return (list(dict.fromkeys(problem for stage in stages for problem in stage[0])),
+            set().union(*(stage[1] for stage in stages)), any(stage[2] for stage in stages))
 
 
 @torch.no_grad()
@@ -519,8 +545,9 @@ def _on_every_expert_rank(entry, config, tensors):
 def megatron_to_hf(model, layers="all"):
     """Yield `(hf_name, tensor)` for the megatron GPTModel, whole tensors in HF layout.
 
-    Call on every tensor- and expert-parallel rank (shards are all-gathered; every rank
-    receives every tensor, every expert included). One megatron tensor is gathered at a
+    Call on every tensor-, expert- and pipeline-parallel rank (shards are all-gathered,
+    each pipeline stage's tensors broadcast to the other stages; every rank receives every
+    tensor, every expert and layer included). One megatron tensor is gathered at a
     time, so the extra memory is one tensor (times the expert-parallel size), not a
     model. Tensors keep the parameters' dtype and device and may share storage with them
     (without parallelism most are views): copy before modifying. `layers`: "all",
@@ -528,26 +555,68 @@ def megatron_to_hf(model, layers="all"):
     embedding and output layer with the main model) or "draft" (the MTP layers,
     embedding and output layer: what vLLM's MTP drafter holds). DeepSeek's and GLM's
     layout keeps a copy of the embedding and output layer in each MTP layer: "all" yields
-    those copies too, last. Order: layer by layer, as the model holds them.
+    those copies too, last. Order: layer by layer, as the model holds them (stage by stage).
     """
     if layers not in LAYER_SELECTIONS:
         raise ValueError(f"layers={layers!r}: expected one of {LAYER_SELECTIONS}")
     model = unwrap_model(model)
-    config = model.config
-    shared_copies = _mtp_shared_copy_names(config) if layers == "all" else {}
+    shared_copies = _mtp_shared_copy_names(model.config) if layers == "all" else {}
     main_tensors = {}
+    for name, tensor in _over_stages(model, layers):
+        if name in shared_copies.values():
+            main_tensors[name] = tensor
+        yield name, tensor
+    for copy_name, main_name in shared_copies.items():
+        yield copy_name, main_tensors[main_name]
+
+
+def _selected(model, layers):
+    """This stage's entries of the `megatron_to_hf` selection `layers`."""
     for entry in _plan(model):
         in_draft = entry.is_mtp or entry.megatron_name in DRAFT_SHARED_MEGATRON_NAMES
         if (layers == "main" and entry.is_mtp) or (layers == "mtp" and not entry.is_mtp) or (
                 layers == "draft" and not in_draft):
             continue
-        for names, tensors in _on_every_expert_rank(entry, config, _hf_tensors(entry, config)):
-            for name, tensor in zip(names, tensors):
-                if name in shared_copies.values():
-                    main_tensors[name] = tensor
-                yield name, tensor
-    for copy_name, main_name in shared_copies.items():
-        yield copy_name, main_tensors[main_name]
+        # A later stage's copy of the word embeddings (its MTP layers' input) is the first
+        # stage's tensor: megatron keeps the two equal.
+        if not model.pre_process and entry.megatron_name == "embedding.word_embeddings.weight":
+            continue
+        yield entry
+
+
+def _stage_tensors(model, layers):
+    """(hf_name, tensor) of this stage's selected entries, TP shards and EP experts gathered."""
+    for entry in _selected(model, layers):
+        for names, tensors in _on_every_expert_rank(entry, model.config, _hf_tensors(entry, model.config)):
+            yield from zip(names, tensors)
+
+
+def _over_stages(model, layers):
+    """`_stage_tensors` of every pipeline stage in stage order, on every stage: each stage
+    first tells the others the names, shapes and dtypes it will send, then broadcasts its
+    tensors one by one over the pipeline group."""
+    group = parallel_state.get_pipeline_model_parallel_group() if parallel_state.model_parallel_is_initialized() \
+        else None
+    if group is None or group.size() == 1:
+        yield from _stage_tensors(model, layers)
+        return
+    config = model.config
+    mine = [(name, shape, entry.param.dtype) for entry in _selected(model, layers)
+            for names in _hf_names_on_every_expert_rank(entry, config)
+            for name, shape in zip(names, _full_hf_shapes(entry, config))]
+    stages = [None] * group.size()
+    dist.all_gather_object(stages, mine, group=group)
+    ranks, device = dist.get_process_group_ranks(group), next(model.parameters()).device
+    local = _stage_tensors(model, layers)
+    for stage, listed in enumerate(stages):
+        for name, shape, dtype in listed:
+            if stage == group.rank():
+                _, tensor = next(local)
+                tensor = tensor.contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=ranks[stage], group=group)
+            yield name, tensor
 
 
 def save_hf_checkpoint(model, source_dir, out_dir):

@@ -34,15 +34,19 @@ megatron-core's parallel state must be initialised first (see cpu_backend.py). W
 construct on megatron-core 0.14 - 0.19: config fields a release does not know are left out.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+from cpu_backend import cuda_on_cpu
 
 
 # The MTP loss is added to the LM loss with this weight (divided by the number of MTP
@@ -333,13 +337,14 @@ def _attention_fields(hf_config, family, tensor_parallel):
 
 
 def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parallel=1, expert_parallel=1,
-                       sequence_parallel=None, params_dtype=torch.float32, recompute=False,
+                       pipeline_parallel=1, sequence_parallel=None, params_dtype=torch.float32, recompute=False,
                        mtp_loss_scaling_factor=DEFAULT_MTP_LOSS_SCALING_FACTOR, **overrides):
     """megatron-core `TransformerConfig` (an `MLATransformerConfig` for DeepSeek) for a HF config dict.
 
     sequence_parallel: None is on where megatron-core needs it, for MoE layers under tensor
     parallelism (their token dispatcher splits the sequence over the TP ranks: without it
     every rank routes every token and the experts' gradients come out TP-fold).
+    pipeline_parallel: stages of num_hidden_layers / pipeline_parallel layers each (`_with_stages`).
     """
     family = model_family(hf_config)
     refuse_unsupported_fields(hf_config)
@@ -389,8 +394,33 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         fields["mtp_num_layers"] = None
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    fields.update(_pipeline_fields(hf_config, pipeline_parallel, params_dtype))
     config_class = MLATransformerConfig if family == "deepseek" else TransformerConfig
-    return _with_overrides(config_class, fields, overrides)
+    return _with_stages(_with_overrides(config_class, fields, overrides), pipeline_parallel)
+
+
+def _pipeline_fields(hf_config, pipeline_parallel, params_dtype):
+    """TransformerConfig fields of `pipeline_parallel` stages ({} for one): layers split
+    evenly, the MTP layers on the last stage (megatron-core's placement without a custom
+    layout); ValueError where the stages do not divide the layers."""
+    if pipeline_parallel == 1:
+        return {}
+    num_layers = hf_config["num_hidden_layers"]
+    if num_layers % pipeline_parallel:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel} must divide num_hidden_layers={num_layers} "
+                         "(every stage holds as many layers)")
+    return {"pipeline_model_parallel_size": pipeline_parallel, "pipeline_dtype": params_dtype}
+
+
+def _with_stages(config, pipeline_parallel):
+    """`config`, which under pipeline parallelism sends the shape of each hidden state ahead
+    of it between stages: packed micro-batches differ in length (`variable_seq_lengths`).
+    Set after construction: the config's check refuses the flag beside megatron's all-gather
+    MoE dispatcher (set for dense models too), whose all-gather needs as many tokens on
+    every TP x EP rank of a micro-batch, a condition of expert parallelism stages do not change."""
+    if pipeline_parallel > 1:
+        config.variable_seq_lengths = True
+    return config
 
 
 def _with_overrides(config_class, fields, overrides):
@@ -616,7 +646,12 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
     Weights are megatron's random init, on the current GPU when there is one; load real ones
     with hf_weights.py. `attention`:
     "auto" is Transformer Engine where usable, else "thd" (see `layer_spec_for`); `config_options` go to
-    `transformer_config` (tensor_parallel, context_parallel, expert_parallel, params_dtype, recompute, ...).
+    `transformer_config` (tensor_parallel, context_parallel, expert_parallel, pipeline_parallel,
+    params_dtype, recompute, ...). With pipeline_parallel > 1 (megatron's groups initialised
+    with it) this rank's stage: its layers (`decoder.layers.{i}` numbered from 0 on every
+    stage), the embedding on the first stage, final norm, output layer and MTP layers on the
+    last, which also holds a copy of the word embeddings for its MTP layers (megatron ties
+    the two copies: equal at construction, their gradients summed over the embedding group).
     """
     hf_config = load_hf_config(model)
     if attention == "auto":
@@ -637,17 +672,22 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
             _zero_centred_norms(mtp_block_spec)
         if attention == "thd" and config.sequence_parallel:
             _for_sequence_parallel(mtp_block_spec)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=hf_config["vocab_size"],
-        max_sequence_length=hf_config.get("max_position_embeddings", 4096),
-        position_embedding_type="rope",
-        rotary_percent=partial_rotary_factor(hf_config),
-        rotary_base=int(rope_settings(hf_config)[0]),
-        share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False),
-        mtp_block_spec=mtp_block_spec,
-    )
+    staged = config.pipeline_model_parallel_size > 1
+    # The last stage's copy of the word embeddings is all-reduced from `.cuda()` as it is built.
+    with cuda_on_cpu() if staged else contextlib.nullcontext():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=hf_config["vocab_size"],
+            max_sequence_length=hf_config.get("max_position_embeddings", 4096),
+            position_embedding_type="rope",
+            rotary_percent=partial_rotary_factor(hf_config),
+            rotary_base=int(rope_settings(hf_config)[0]),
+            share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False),
+            mtp_block_spec=mtp_block_spec,
+            pre_process=not staged or parallel_state.is_pipeline_first_stage(),
+            post_process=not staged or parallel_state.is_pipeline_last_stage(),
+        )
     if torch.cuda.is_available():
         # megatron puts its own layers' weights on the current GPU; torch's norms (the local
         # spec without apex) and ReplicatedLinear start on the host. All of it on the GPU.

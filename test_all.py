@@ -51,6 +51,7 @@ import megatron_model
 import memory_plan
 import mtp_matrix
 import mtp_patch
+import pipeline
 import rollout
 import run_log
 import safetensors_reader
@@ -4911,6 +4912,138 @@ def test_trainer_bf16_step_learns_and_its_hf_save_reloads_bit_exact(tiny_checkpo
 
 
 # ---------------------------------------------------------------------------------------
+# pipeline: stages with the MTP layer last equal one rank
+# ---------------------------------------------------------------------------------------
+
+# Sequences of one optimizer step, micro-batches over the whole batch (each data-parallel rank
+# takes its share of both), and what a stage layout must match one rank within.
+PIPELINE_SEQUENCES, PIPELINE_MICRO_BATCHES, PIPELINE_TOLERANCE = 8, 4, 1e-5
+
+
+def _pipeline_samples():
+    """Sequences of varying length (so micro-batches differ in length between stages), the
+    second half as long as the first: expert parallelism's all-gather over data-parallel
+    ranks needs as many tokens on each."""
+    generator = torch.Generator().manual_seed(0)
+    half = PIPELINE_SEQUENCES // 2
+    lengths = [(int(torch.randint(3, 9, (1,), generator=generator)),
+                int(torch.randint(2, 12, (1,), generator=generator))) for _ in range(half)]
+    return [{"prompt_ids": torch.randint(3, 100, (prompt,), generator=generator).tolist(),
+             "response_ids": torch.randint(3, 100, (response,), generator=generator).tolist(),
+             "advantages": torch.randn(response, generator=generator),
+             "rollout_logprobs": (-torch.rand(response, generator=generator)).tolist(), "group": index // 4}
+            for index, (prompt, response) in enumerate(lengths[i % half] for i in range(PIPELINE_SEQUENCES))]
+
+
+def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
+    """One optimizer step of trainer.train_step at (tp, pp, ep), lr 0 and no clipping, after
+    the old log-probs' forward-only pass: this rank's old log-probs (None off the last
+    stage), the step's metrics, every gradient in HF layout (gathered over TP, EP and the
+    stages), whether the HF -> Megatron -> HF round trip was bit-exact, and where a stage
+    holds an end of the tied word embeddings, how far its gradient is from the first
+    stage's before and after pipeline.sum_embedding_grads (None elsewhere)."""
+    from megatron.core import parallel_state
+    cpu_backend.init_model_parallel(tensor_parallel=tp, context_parallel=cp, expert_parallel=ep, pipeline_parallel=pp,
+                                    seed=0)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    config = trainer.TrainConfig(lr=0.0, grad_clip=1e9, tp=tp, cp=cp, ep=ep, pp=pp, ppo_epochs=2,
+                                 micro_batches=PIPELINE_MICRO_BATCHES // dp_size)
+    model = megatron_model.build_gpt_model(checkpoint, tensor_parallel=tp, context_parallel=cp, expert_parallel=ep,
+                                           pipeline_parallel=pp)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    expected = load_file(os.path.join(checkpoint, "model.safetensors"))
+    round_trip = dict(hf_weights.megatron_to_hf(model))
+    round_trip_exact = set(round_trip) == set(expected) and all(torch.equal(round_trip[name], tensor)
+                                                                for name, tensor in expected.items())
+    policy = trainer.Policy(model, *trainer.build_optimizer(model, config.lr, config.grad_clip,
+                                                            overlap_grad_reduce=pp == 1))
+    share = PIPELINE_SEQUENCES // dp_size
+    mine = _pipeline_samples()[dp_rank * share:(dp_rank + 1) * share]
+    tied, summed = [], pipeline.sum_embedding_grads
+
+    def ends_apart():
+        grad = model.embedding.word_embeddings.weight.main_grad
+        first = grad.clone()
+        torch.distributed.broadcast(first, src=parallel_state.get_pipeline_model_parallel_first_rank(),
+                                    group=parallel_state.get_embedding_group())
+        return (grad - first).abs().max().item()
+
+    def sum_recorded(model, attribute="main_grad"):
+        tied.append(ends_apart())
+        summed(model, attribute)
+        tied.append(ends_apart())
+
+    if pp > 1 and parallel_state.is_rank_in_embedding_group():
+        pipeline.sum_embedding_grads = sum_recorded
+    try:
+        trainer.record_old_logprobs(policy, mine, config)
+        metrics = trainer.reduce_metrics(trainer.train_step(policy, mine, config), torch.device("cpu"))
+    finally:
+        pipeline.sum_embedding_grads = summed
+    for param in model.parameters():
+        param.data = param.main_grad.clone() if getattr(param, "main_grad", None) is not None else param.data * 0
+    grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
+             if not name.endswith("e_score_correction_bias")}
+    return {"old_logprobs": [sample.get("old_logprobs") for sample in mine], "dp": (dp_rank, dp_size),
+            "metrics": metrics, "grads": grads, "round_trip_exact": round_trip_exact, "tied": tied or None}
+
+
+def _pipeline_layouts(checkpoints, layouts):
+    """`_pipeline_layout` of each (name, checkpoint, keywords) in `layouts`, in one world."""
+    cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    return {name: _pipeline_layout(checkpoints[family], **options) for name, family, options in layouts}
+
+
+PIPELINE_LAYOUTS = {
+    1: (("mimo", "mimo", {}), ("deepseek", "deepseek", {})),
+    2: (("mimo pp 2", "mimo", {"pp": 2}),),
+    4: (("mimo pp 2 x tp 2", "mimo", {"pp": 2, "tp": 2}), ("mimo pp 2 x cp 2", "mimo", {"pp": 2, "cp": 2}),
+        ("deepseek pp 2 x ep 2", "deepseek", {"pp": 2, "ep": 2})),
+}
+
+
+def _assert_pipeline_equals_one_rank(reference, other, label):
+    """Old log-probs (this rank's share, where it computed them), the MTP loss and the
+    other step metrics, and every gradient within PIPELINE_TOLERANCE of one rank's."""
+    dp_rank, dp_size = other["dp"]
+    share = PIPELINE_SEQUENCES // dp_size
+    mine = reference["old_logprobs"][dp_rank * share:(dp_rank + 1) * share]
+    logprobs = max((row - expected).abs().max().item() for row, expected in zip(other["old_logprobs"], mine)
+                   if row is not None) if other["old_logprobs"][0] is not None else 0.0
+    metrics = max(abs(value - reference["metrics"][name]) for name, value in other["metrics"].items()
+                  if isinstance(value, float))
+    assert set(other["grads"]) == set(reference["grads"]), label
+    grads = max((other["grads"][name] - grad).abs().max().item() for name, grad in reference["grads"].items())
+    print(f"{label}: log-probs {logprobs:.1e}, metrics {metrics:.1e} (MTP loss "
+          f"{other['metrics']['mtp_loss']:.6f}), gradients {grads:.1e}")
+    assert logprobs < PIPELINE_TOLERANCE and metrics < PIPELINE_TOLERANCE and grads < PIPELINE_TOLERANCE, label
+    assert other["round_trip_exact"], label
+
+
+def test_pipeline_stages_equal_one_rank_in_logprobs_mtp_loss_and_every_gradient(tiny_checkpoint, moe_checkpoints):
+    checkpoints = {"mimo": tiny_checkpoint, "deepseek": moe_checkpoints["deepseek"]}
+    results = {world: run_in_processes(_pipeline_layouts, world_size=world, args=(checkpoints, layouts))
+               for world, layouts in PIPELINE_LAYOUTS.items()}
+    one_rank = results[1][0]
+    for family, mtp_input in (("mimo", "model.mtp_layers.0.input_proj.weight"),
+                              ("deepseek", "model.layers.2.eh_proj.weight")):
+        assert one_rank[family]["round_trip_exact"] and one_rank[family]["metrics"]["mtp_loss"] > 0
+        assert one_rank[family]["grads"][mtp_input].abs().sum() > 0
+    for world in (2, 4):
+        for rank, ranks_results in enumerate(results[world]):
+            for name, family, _ in PIPELINE_LAYOUTS[world]:
+                _assert_pipeline_equals_one_rank(one_rank[family], ranks_results[name], f"{name}, rank {rank}")
+    # The two ends of the tied word embeddings, (before, after) their gradients are summed:
+    # decoupled, the MTP layers' copy gets no gradient of its own, so unsummed it would
+    # stay put while the first stage's table moves.
+    ends = [ranks_results[name]["tied"] for ranks_results in results[2] + results[4] for name in ranks_results
+            if ranks_results[name]["tied"] is not None]
+    assert len(ends) == 2 + 3 * 4 and max(after for _, after in ends) == 0.0
+    assert max(before for before, _ in ends) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------
 # rollout: vLLM engines and what they hand the trainer
 # ---------------------------------------------------------------------------------------
 
@@ -5522,6 +5655,34 @@ def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_n
     assert not any("--mtp-rollout" in problem for problem in problems)
 
 
+def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot_run():
+    assert flags.flag_problems(flags.parse_args(["--pp", "2"]), world_size=2) == []
+    settings = flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2)
+    # Each prompt's completions trained apart (no shared prefix), stages in the train config.
+    assert not settings.shared_prefix and flags.train_config(settings).pp == 2
+    assert not flags.check_args(flags.parse_args(["--pp", "2", "--builtin-model", "deepseek"]), 4).routing_replay
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--tp", "2"]), world_size=2) == [
+        "--tp 2 x --cp 1 x --pp 2 = 4: expected a divisor of the world size 2",
+        "--tp 2 x --ep 1 x --pp 2 = 4: expected a divisor of the world size 2"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "4"]), world_size=4) == [
+        "--pp 4: expected a divisor of the built-in tiny model's 2 decoder layers (num_hidden_layers; every stage "
+        "holds as many)"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--kl-coef", "0.1", "--routing-replay"]), 2) == [
+        "--kl-coef with --pp 2: its reference model's forward does not run over stages; leave the flag out or use "
+        "--pp 1",
+        "--routing-replay with --pp 2: each stage's routers hold only its layers' share of the rollout's routing; "
+        "leave the flag out or use --pp 1"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--shared-prefix"]), 2) == [
+        "--shared-prefix: it runs without pipeline stages (this run has --pp 2); leave the flag out"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--max-tokens-per-micro-batch", "64"]), 2) == [
+        "--max-tokens-per-micro-batch 64 with --pp 2: the stages' schedule takes counted micro-batches; expected "
+        "--pp 1 or --micro-batches"]
+    assert flags.check_args(flags.parse_args(["--pp", "2"]), world_size=4).distributed_optimizer
+    assert not flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2).distributed_optimizer
+    with pytest.raises(SystemExit, match="argument --pp: '0': expected an int >= 1|argument --pp: 0: expected"):
+        flags.parse_args(["--pp", "0"])
+
+
 def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     # Each bound stands beside its flag (argparse's type=): refused while parsing, naming the value.
     bounds = {("--steps", "0"): "0: expected a number >= 1", ("--steps", "x"): "'x': expected an int",
@@ -5687,8 +5848,7 @@ def _adam_fused_against_the_loop(checkpoint, expert_parallel):
     for fused in (True, False):
         model = build_gpt_model(checkpoint, mtp=False, expert_parallel=expert_parallel)
         hf_weights.load_hf_into_megatron(model, checkpoint)
-        ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False,
-                                                       distributed=distributed)
+        ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False)
         groups = [group for part in getattr(optimizer, "chained_optimizers", [optimizer])
                   for group in part.optimizer.param_groups]
         if fused:

@@ -303,14 +303,15 @@ def header(run, args):
     away from their defaults."""
     s, defaults = run.settings, vars(flags.parse_args([]))
     changed = [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items() if value != defaults[name]]
-    dp = run.world_size // (s.tp * s.cp)
+    dp = run.world_size // (s.tp * s.cp * s.pp)
     auto, draft_tokens = flags.draft_plan(s)
     drafting = (f"auto, k in 0..{draft_tokens}" if auto else f"k = {draft_tokens}") if s.mtp_rollout else "off"
     return "\n".join([
         f"train_grpo.py: {s.model or f'built-in {s.builtin_model} model ({run.model_dir})'}, "
         + (f"--data {s.data}" if s.data else f"task {s.task}") + f", {s.steps} steps, out {s.out}",
         f"layout: {run.world_size} processes x {torch.get_num_threads()} thread(s) on {run.device.type}, tp {s.tp} "
-        f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + f", rollout tp {s.rollout_tp}; "
+        f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + (f" pp {s.pp}" if s.pp > 1 else "")
+        + f", rollout tp {s.rollout_tp}; "
         f"{s.prompts_per_step} prompts x {s.group_size} completions per dp rank"
         + (", each prompt trained once" if s.shared_prefix else "")
         + f"; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
@@ -347,7 +348,8 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
                           s.reward_timeout, lambda: stop.signum != 0)
     with timer("policy"):
-        init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed)
+        init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed,
+                            pipeline_parallel=s.pp)
         mtp_patch.patch_megatron_mtp()
         policy = trainer.build_policy(model_dir, flags.train_config(s))
     with timer("vLLM engines"):
@@ -439,7 +441,9 @@ def run_layout(run_settings, world_size):
     the resolved settings)."""
     s = run_settings
     return {"world_size": world_size, "tp": s.tp, "cp": s.cp, "ep": s.ep, "rollout_tp": s.rollout_tp,
-            "model": os.path.abspath(s.model) if s.model else f"built-in {s.builtin_model}"}
+            "model": os.path.abspath(s.model) if s.model else f"built-in {s.builtin_model}",
+            # Named only when set: the layouts of runs without stages stay as they were saved.
+            **({"pp": s.pp} if s.pp > 1 else {})}
 
 
 def broadcast(value):

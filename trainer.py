@@ -16,7 +16,7 @@ every rank before the optimizer touches the weights, so the last checkpoint stay
 
 Every setting arrives in one `TrainConfig`, the loss's in its `grpo_loss.LossConfig`.
 Imports torch, megatron-core and the project's forward, grpo_loss, cpu_backend,
-megatron_model and hf_weights.
+megatron_model, hf_weights and pipeline (--pp: the micro-batches through the stages).
 """
 
 import contextlib
@@ -34,8 +34,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 import grpo_loss
 import hf_weights
+import pipeline
 from cpu_backend import cuda_on_cpu
-from forward import forward_logprobs
+from forward import forward_logprobs, forward_stage
 from megatron_model import build_gpt_model
 
 ADAM_EPS = 1e-8
@@ -57,6 +58,7 @@ class TrainConfig:
     tp: int = 1                       # Megatron tensor, context and expert parallel sizes
     cp: int = 1
     ep: int = 1
+    pp: int = 1                       # pipeline stages (pipeline.py): the layers split, the MTP layers last
     bf16: bool = False                # bf16 weights, fp32 master weights: the GPU's; fp32 is exact on CPU
     temperature: float = 1.0          # the rollout's: log-probs of the distribution it sampled
     micro_batches: int = 1            # gradient accumulation per optimizer step
@@ -187,19 +189,23 @@ def build_policy(model_dir, config):
     kl_coef > 0), on this process's device (build_gpt_model's); `config` a TrainConfig."""
     def load(mtp):
         model = build_gpt_model(model_dir, mtp=mtp, tensor_parallel=config.tp, context_parallel=config.cp,
-                                expert_parallel=config.ep,
+                                expert_parallel=config.ep, pipeline_parallel=config.pp,
                                 params_dtype=torch.bfloat16 if config.bf16 else torch.float32)
         hf_weights.load_hf_into_megatron(model, model_dir)
         return model
 
     model = load(mtp=config.mtp_train)
     reference = load(mtp=False).eval() if config.loss.kl_coef > 0 else None
-    if config.mtp_train and config.mtp_rollout:
+    if config.mtp_train and config.mtp_rollout and model.decoder.final_layernorm is not None:
         # Megatron's MTP layer reads the trunk's hidden state after the final norm, vLLM's
         # MiMo drafter before it; RMSNorm is scale invariant, so both see the same input
         # only while the final norm's weight is uniform. Keep it as it is.
         model.decoder.final_layernorm.weight.requires_grad_(False)
-    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip,
+    # With stages the last one's copy of the word embeddings gets no gradient of its own (the
+    # MTP loss is decoupled from the trunk), and megatron's overlapped all-reduce waits for
+    # every parameter of a bucket: the gradients are all-reduced after the backward instead.
+    overlap = config.pp == 1
+    return Policy(model, *build_optimizer(model, config.lr, config.grad_clip, overlap_grad_reduce=overlap,
                                           distributed=config.distributed_optimizer), reference)
 
 
@@ -346,14 +352,35 @@ def record_old_logprobs(policy, samples, config):
     max_tokens_per_micro_batch `samples` are every rank's, each rank recording its own)."""
     per_mini = len(samples) // config.mini_batches
     device = next(policy.model.parameters()).device
-    for micro in (micro for start in range(0, len(samples), per_mini)
-                  for micro in rank_micro_batches(samples[start:start + per_mini], config)):
+    micro_batches = [micro for start in range(0, len(samples), per_mini)
+                     for micro in rank_micro_batches(samples[start:start + per_mini], config)]
+    if pipeline.stages() > 1:
+        return _record_old_logprobs_pipelined(policy, micro_batches, config, device)
+    for micro in micro_batches:
         input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
         logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
                                     temperature=config.temperature, gather=True,
                                     **forward_options(micro, config, device)).logprobs.float().cpu()
         for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
             sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
+
+
+def _record_old_logprobs_pipelined(policy, micro_batches, config, device):
+    """`record_old_logprobs` through the pipeline stages (forward only): the last stage,
+    which alone computes the loss, sets each sample's "old_logprobs"."""
+    def stage_forward(micro):
+        input_ids, seqlens, *_ = pack_micro_batch(micro, device)
+        return forward_stage(policy.model, input_ids, seqlens)
+
+    def last_stage(micro):
+        input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
+        logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
+                                    temperature=config.temperature, gather=True).logprobs.float().cpu()
+        for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
+            sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
+        return torch.zeros((), device=device)
+
+    pipeline.forward_backward(policy.ddp_model, micro_batches, stage_forward, last_stage, forward_only=True)
 
 
 def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums, mtp_share=None):
@@ -469,23 +496,27 @@ def train_step(policy, samples, config):
     policy.ddp_model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
-    for index, (micro, mtp_share) in enumerate(zip(micro_batches, mtp_shares)):
-        if mtp_share is not None:
-            MTPLossAutoScaler.set_loss_scale(torch.tensor(config.mtp_loss_scale * mtp_share, device=device))
-        loss = micro_batch_loss(policy, micro, num_sequences, num_tokens, config, sums, mtp_share)
-        # Every rank stops together, before the optimizer touches the weights: the last
-        # checkpoint on disk stays the last good one.
-        finite = torch.isfinite(loss.detach()).float().view(1)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if not finite.item():
-            raise FloatingPointError(f"non-finite loss at micro-batch {index} (this rank: "
-                                     f"{loss.item()}); stopping with the last checkpoint in --out intact")
-        # The all-reduce starts during the last micro-batch's backward, once its gradients are summed.
-        last = index == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else policy.ddp_model.no_sync():
-            loss.backward()
+    if pipeline.stages() > 1:
+        sums = _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums)
+    else:
+        for index, (micro, mtp_share) in enumerate(zip(micro_batches, mtp_shares)):
+            if mtp_share is not None:
+                MTPLossAutoScaler.set_loss_scale(torch.tensor(config.mtp_loss_scale * mtp_share, device=device))
+            loss = micro_batch_loss(policy, micro, num_sequences, num_tokens, config, sums, mtp_share)
+            # Every rank stops together, before the optimizer touches the weights: the last
+            # checkpoint on disk stays the last good one.
+            finite = torch.isfinite(loss.detach()).float().view(1)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not finite.item():
+                raise FloatingPointError(f"non-finite loss at micro-batch {index} (this rank: "
+                                         f"{loss.item()}); stopping with the last checkpoint in --out intact")
+            # The all-reduce starts during the last micro-batch's backward, once its gradients are summed.
+            last = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else policy.ddp_model.no_sync():
+                loss.backward()
     policy.ddp_model.finish_grad_sync()
     sum_tensor_parallel_partial_grads(policy.model, "main_grad")
+    pipeline.sum_embedding_grads(policy.model)
     # DDP averages over data x context parallel ranks; the loss is normalised globally
     # (token_weights), so the gradient wanted is the sum.
     policy.ddp_model.scale_gradients(parallel_state.get_data_parallel_world_size(with_context_parallel=True))
@@ -497,6 +528,34 @@ def train_step(policy, samples, config):
         raise FloatingPointError(f"non-finite gradient norm {grad_norm}; stopping with the last checkpoint in "
                                  "--out intact")
     return dict(sums, grad_norm=grad_norm)
+
+
+def _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums):
+    """`train_step`'s micro-batches through the pipeline stages (pipeline.py's 1F1B): every
+    stage packs each micro-batch alike, the last computes `micro_batch_loss`. Returns the
+    metric sums, the last stage's on every stage. Raises FloatingPointError on every rank,
+    after the backward and before the optimizer, when a micro-batch's loss is not finite.
+    Without routing: the routers of one stage see only its layers' share of the rollout's."""
+    micro_batches = [[{key: value for key, value in sample.items() if key != "routed_experts"} for sample in micro]
+                     for micro in micro_batches]
+    device = next(policy.model.parameters()).device
+
+    def stage_forward(micro):
+        input_ids, seqlens, *_ = pack_micro_batch(micro, device)
+        return forward_stage(policy.model, input_ids, seqlens, mtp_train=config.mtp_train)
+
+    losses = pipeline.forward_backward(policy.ddp_model, micro_batches, stage_forward, lambda micro: micro_batch_loss(
+        policy, micro, num_sequences, num_tokens, config, sums))
+    names = list(sums)
+    finite = [float(math.isfinite(loss)) for loss in losses] or [1.0] * len(micro_batches)
+    shared = pipeline.from_last_stage([sums[name] for name in names] + finite)
+    all_finite = torch.tensor([min(shared[len(names):])], device=device)
+    dist.all_reduce(all_finite, op=dist.ReduceOp.MIN)
+    if not all_finite.item():
+        where = (f"micro-batch {shared[len(names):].index(0.0)}" if 0.0 in shared[len(names):]
+                 else "another data-parallel rank")
+        raise FloatingPointError(f"non-finite loss at {where}; stopping with the last checkpoint in --out intact")
+    return dict(zip(names, shared[:len(names)]))
 
 
 def sum_tensor_parallel_partial_grads(model, attribute="grad"):

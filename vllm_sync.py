@@ -8,9 +8,9 @@ MTP layers vLLM uses as its speculative-decoding draft:
     check_draft(model, llm)                         # raises StaleDraftError unless the draft is current
 
 The tensors travel whole, in HF layout (hf_weights.megatron_to_hf gathers the tensor- and
-expert-parallel shards); vLLM's own weight loaders slice them for the rollout engine's
-tensor-parallel layout, so trainer and rollout engine may use different tensor-parallel
-sizes.
+expert-parallel shards and the pipeline stages); vLLM's own weight loaders slice them for
+the rollout engine's tensor-parallel layout, so trainer and rollout engine may use
+different tensor-parallel sizes, and every rollout engine holds the whole model.
 
 Imports torch, the standard library and hf_weights; vLLM only inside the functions that
 talk to an engine (the `LLM` object is duck-typed).
@@ -123,7 +123,8 @@ def _in_process_transfer(llm):
 def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=None, draft=True):
     """Copy the megatron model's weights into a colocated vLLM engine: target model and MTP draft.
 
-    Call on every rank of the trainer (tensor-parallel shards are gathered). `llm` is a
+    Call on every rank of the trainer (tensor-parallel shards are gathered, pipeline stages
+    broadcast theirs: every rank's engine receives the whole model). `llm` is a
     `vllm.LLM` whose engine runs in this process (`distributed_executor_backend=
     "external_launcher"` or `VLLM_ENABLE_V1_MULTIPROCESSING=0`). Whole HF tensors stream
     through in buckets of at most `bucket_bytes`, so the extra memory is one bucket (or
@@ -148,7 +149,9 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     transfer = _in_process_transfer(llm)
     speculative = llm.llm_engine.vllm_config.speculative_config
     has_mtp_draft = speculative is not None and speculative.method == "mtp"
-    model_has_mtp = any(name.startswith("mtp.") for name, _ in unwrap_model(model).named_parameters())
+    # Under pipeline parallelism only the last stage holds the MTP layers; every stage sends them.
+    model_has_mtp = any(name.startswith("mtp.") for name, _ in unwrap_model(model).named_parameters()) or (
+        unwrap_model(model).config.pipeline_model_parallel_size > 1 and bool(unwrap_model(model).config.mtp_num_layers))
     if has_mtp_draft and not model_has_mtp:
         warnings.warn("the vLLM engine drafts with MTP layers but the megatron model has none: the draft keeps "
                       "its old weights (outputs stay exact, draft acceptance will drift)")
