@@ -661,23 +661,6 @@ def refuse_changed_inputs(resume_dir, run_settings, digests):
 # The rollout's context, once the prompts are tokenized
 # ---------------------------------------------------------------------------------------
 
-def kv_cache_bytes_per_token(settings, hf_config):
-    """Bytes of vLLM KV cache one token of context takes in one rank's engine, as vLLM sizes
-    it: per attention layer (the MTP layers too where the engine drafts) keys and values of
-    this rank's KV heads (kv heads / --rollout-tp, at least one) x head dim x dtype bytes;
-    MLA (DeepSeek) caches one latent of kv_lora_rank + qk_rope_head_dim instead, whole on
-    every rank (vLLM's MLAAttentionSpec)."""
-    layers = hf_config["num_hidden_layers"] + (hf_config.get("num_nextn_predict_layers", 0)
-                                               if settings.mtp_rollout else 0)
-    if "kv_lora_rank" in hf_config:
-        per_layer = hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"]
-    else:
-        heads = hf_config["num_attention_heads"]
-        kv_heads = max(1, hf_config.get("num_key_value_heads", heads) // settings.rollout_tp)
-        per_layer = 2 * kv_heads * hf_config.get("head_dim", hf_config["hidden_size"] // heads)
-    return layers * per_layer * (2 if settings.bf16 else 4)
-
-
 def rollout_context(settings, hf_config, longest_prompt):
     """The settings with the engines' max_model_len: the longest prompt (in tokens) plus the
     most tokens a request generates (--max-new-tokens; auto's acceptance check) plus the
@@ -691,7 +674,8 @@ def rollout_context(settings, hf_config, longest_prompt):
     max_model_len = min(max(longest_prompt + generated + drafts, MIN_MODEL_LEN), settings.max_positions)
     # vLLM holds a request's context in whole blocks, plus one block it keeps empty.
     block = MLA_KV_BLOCK_TOKENS if "kv_lora_rank" in hf_config else KV_BLOCK_TOKENS
-    per_token = kv_cache_bytes_per_token(settings, hf_config)
+    per_token = memory_plan.kv_bytes_per_token(
+        hf_config, memory_plan.PlanConfig(rollout_tp=settings.rollout_tp, bf16=settings.bf16), settings.mtp_rollout)
     needed = (-(-max_model_len // block) + 1) * block * per_token
     if not torch.cuda.is_available() and needed > settings.kv_cache_bytes:
         raise usage_error(f"--kv-cache-bytes {settings.kv_cache_bytes}: the rollout's context of {max_model_len} "

