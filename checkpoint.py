@@ -49,6 +49,15 @@ HASH_CHUNK_BYTES = 2**22
 # itself at the i-th point on torchrun's i-th attempt (PHASE: sync, before the step's weight
 # push; save, after writing its file, before the checkpoint is published).
 KILL_AT_ENV = "TRAIN_GRPO_KILL_AT"
+# What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
+# logs, its length and the optimizer's step size. Any other flag makes it another run.
+RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
+                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "max_tokens_per_micro_batch",
+                     "mtp_rollout", "num_speculative_tokens", "max_speculative_tokens", "tune_every",
+                     "acceptance_check_every", "check_draft_every", "spec_config", "gpu_memory_utilization",
+                     "kv_cache_bytes", "shared_prefix", "reward_timeout", "resume_with_changed_inputs")
+# What a checkpoint saved before a flag existed ran with.
+SETTINGS_BEFORE_THEY_EXISTED = {"distributed_optimizer": False}
 
 
 class CheckpointError(ValueError):
@@ -375,3 +384,35 @@ def keep_records(metrics_path, last_step):
             records = [record for record in map(json.loads, f) if record["step"] <= last_step]
     write_synced(metrics_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
     return records
+
+
+def resume_changes(resume_dir, settings):
+    """The settings (`settings`: the run's resolved flags by name) this run has otherwise than
+    the checkpoint in `resume_dir` was saved with (its meta.json), as flags ("--steps 8 (was
+    5)"; "" for none): those RESUME_MAY_CHANGE allows; any other is a CheckpointError naming
+    each, then and now."""
+    saved = {**SETTINGS_BEFORE_THEY_EXISTED, **read_meta(resume_dir).get("flags", {})}
+    changed = {name: (saved[name], value) for name, value in settings.items() if name in saved and saved[name] != value}
+
+    def described(names):
+        return ", ".join(f"--{name.replace('_', '-')} {changed[name][1]} (was {changed[name][0]})" for name in names)
+    refused = [name for name in changed if name not in RESUME_MAY_CHANGE]
+    if refused:
+        raise CheckpointError(f"--resume {settings['resume']}: {resume_dir} is another run: {described(refused)}; "
+                              "resume with the values it was saved with, or pass --resume never and another --out")
+    return described(changed)
+
+
+def refuse_changed_inputs(resume_dir, settings, digests):
+    """A CheckpointError when a file the run of `resume_dir` read differs in content from
+    today's: `digests` and the checkpoint's meta map each of --data, --eval-data and --reward
+    to its file's sha256. settings["resume_with_changed_inputs"] lets it through."""
+    saved = read_meta(resume_dir).get("inputs")
+    if saved is None or settings["resume_with_changed_inputs"]:
+        return
+    changed = [flag for flag in sorted(set(saved) | set(digests)) if saved.get(flag) != digests.get(flag)]
+    if changed:
+        files = ", ".join(f"{flag} {settings[flag[2:].replace('-', '_')]!r}" for flag in changed)
+        raise CheckpointError(f"--resume {settings['resume']}: {files} changed in content since {resume_dir} was "
+                              "saved; resume with the files that run read, or pass --resume-with-changed-inputs to "
+                              "train on the new ones")

@@ -51,13 +51,6 @@ MIN_MODEL_LEN = 256
 KV_BLOCK_TOKENS, MLA_KV_BLOCK_TOKENS = 128, 16
 # DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.
 DEFAULT_SAMPLING_ROUNDS = 4
-# What a resumed run may set otherwise than its checkpoint: how it runs, drafts, saves and
-# logs, its length and the optimizer's step size. Any other flag makes it another run.
-RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
-                     "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "max_tokens_per_micro_batch",
-                     "mtp_rollout", "num_speculative_tokens", "max_speculative_tokens", "tune_every",
-                     "acceptance_check_every", "check_draft_every", "spec_config", "gpu_memory_utilization",
-                     "kv_cache_bytes", "shared_prefix", "reward_timeout", "resume_with_changed_inputs")
 
 
 def usage_error(message):
@@ -620,41 +613,6 @@ def check_args(args, world_size):
     if problems:
         raise usage_error("\n  ".join(["bad flags:"] + problems))
     return resolve(args, model_config(args), world_size)
-
-
-def resume_flag_changes(resume_dir, run_settings):
-    """The flags this run sets otherwise than the checkpoint it resumes (saved in its
-    meta.json): those RESUME_MAY_CHANGE allows as a description ("" for none); any other
-    is a refusal naming each, then and now."""
-    # A checkpoint from before --distributed-optimizer holds the plain optimizer's state.
-    saved = {"distributed_optimizer": False, **checkpoint.read_meta(resume_dir).get("flags", {})}
-    changed = {name: (saved[name], value) for name, value in vars(run_settings).items()
-               if name in saved and saved[name] != value}
-
-    def described(names):
-        return ", ".join(f"--{name.replace('_', '-')} {changed[name][1]} (was {changed[name][0]})" for name in names)
-    refused = [name for name in changed if name not in RESUME_MAY_CHANGE]
-    if refused:
-        raise usage_error(f"--resume {run_settings.resume}: {resume_dir} is another run: {described(refused)}; "
-                          "resume with the values it was saved with, or pass --resume never and another --out")
-    return described(changed)
-
-
-def refuse_changed_inputs(resume_dir, run_settings, digests):
-    """Refuse (`usage_error`) to resume from `resume_dir` when a file its run read differs in
-    content from today's: `digests` and the checkpoint's meta map each of --data, --eval-data
-    and --reward to its file's sha256. --resume-with-changed-inputs lets it through."""
-    saved = checkpoint.read_meta(resume_dir).get("inputs")
-    if saved is None or run_settings.resume_with_changed_inputs:
-        return
-    changed = [flag for flag in sorted(set(saved) | set(digests)) if saved.get(flag) != digests.get(flag)]
-    if changed:
-        files = ", ".join(f"{flag} {getattr(run_settings, flag[2:].replace('-', '_'))!r}" for flag in changed)
-        raise usage_error(f"--resume {run_settings.resume}: {files} changed in content since {resume_dir} was "
-                          "saved; resume with the files that run read, or pass --resume-with-changed-inputs to "
-                          "train on the new ones")
-
-
 
 
 # ---------------------------------------------------------------------------------------

@@ -375,12 +375,8 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         "bf16": params_dtype == torch.bfloat16,
         "use_cpu_initialization": not torch.cuda.is_available(),
         # Fusions need CUDA kernels; the unfused paths are exact on every device.
-        "bias_activation_fusion": False,
-        "bias_dropout_fusion": False,
-        "masked_softmax_fusion": False,
-        "persist_layer_norm": False,
-        "apply_rope_fusion": False,
-        "gradient_accumulation_fusion": False,
+        **dict.fromkeys(("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm",
+                         "apply_rope_fusion", "gradient_accumulation_fusion"), False),
         "mtp_num_layers": hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
         if mtp else None,
         "mtp_loss_scaling_factor": mtp_loss_scaling_factor,
@@ -457,7 +453,7 @@ def layer_spec_for(attention, config=None):
     """
     if attention not in ("te", "thd", "local"):
         raise ValueError(f"attention={attention!r}; expected 'te', 'thd' or 'local'")
-    if config is not None and config.experimental_attention_variant == "gated_delta_net":
+    if config is not None and _gated_delta_net(config):
         return _qwen35_block_spec(attention, config)
     moe = config is not None and config.num_moe_experts
     if moe:
@@ -543,6 +539,11 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (x * (1.0 + self.weight.float())).type_as(hidden_states)
 
 
+def _gated_delta_net(config):
+    """Whether `config` builds Qwen3.5's gated-DeltaNet layers (a field megatron-core < 0.16 lacks)."""
+    return getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+
+
 def _qwen35_layer_spec(attention, layer_type):
     """One Qwen3.5 decoder layer on megatron's local spec: gated DeltaNet (gdn_thd.py) or
     full attention with q/k norms (packed THD core attention unless `attention` is
@@ -577,45 +578,37 @@ def _qwen35_block_spec(attention, config):
         layer_norm=ZeroCenteredRMSNorm)
 
 
-def _zero_centred_norms(spec):
-    """Every torch norm of a local spec (ModuleSpecs and their submodule dataclasses, MTP's
-    too) becomes `ZeroCenteredRMSNorm`, in place."""
+def _swap_modules(spec, swap):
+    """In place, through ModuleSpecs and their submodule dataclasses (block, layer,
+    attention, MTP): each field whose name or class `swap` maps gets the mapped class."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     if isinstance(spec, ModuleSpec):
-        _zero_centred_norms(spec.submodules)
+        _swap_modules(spec.submodules, swap)
     elif isinstance(spec, (list, tuple)):
         for item in spec:
-            _zero_centred_norms(item)
+            _swap_modules(item, swap)
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
             value = getattr(spec, field.name)
-            if value is WrappedTorchNorm:
-                setattr(spec, field.name, ZeroCenteredRMSNorm)
+            new = swap.get(field.name) or (swap.get(value) if isinstance(value, type) else None)
+            if new is not None:
+                setattr(spec, field.name, new)
             else:
-                _zero_centred_norms(value)
+                _swap_modules(value, swap)
+
+
+def _zero_centred_norms(spec):
+    """Every torch norm of a local spec (MTP's too) becomes `ZeroCenteredRMSNorm`, in place."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    _swap_modules(spec, {WrappedTorchNorm: ZeroCenteredRMSNorm})
 
 
 def _for_sequence_parallel(spec):
     """Make a local (thd) spec runnable under sequence parallelism, in place: every torch
-    norm becomes `SequenceParallelRMSNorm`, every MLA down projection `ReplicatedLinear`.
-    Walks ModuleSpecs and their submodule dataclasses (block, layer, attention, MTP)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    norm becomes `SequenceParallelRMSNorm`, every MLA down projection `ReplicatedLinear`."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    if isinstance(spec, ModuleSpec):
-        _for_sequence_parallel(spec.submodules)
-    elif isinstance(spec, (list, tuple)):
-        for item in spec:
-            _for_sequence_parallel(item)
-    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        for field in dataclasses.fields(spec):
-            value = getattr(spec, field.name)
-            if value is WrappedTorchNorm:
-                setattr(spec, field.name, SequenceParallelRMSNorm)
-            elif field.name in MLA_DOWN_PROJECTIONS:
-                setattr(spec, field.name, ReplicatedLinear)
-            else:
-                _for_sequence_parallel(value)
+    _swap_modules(spec, {WrappedTorchNorm: SequenceParallelRMSNorm, **dict.fromkeys(MLA_DOWN_PROJECTIONS,
+                                                                                     ReplicatedLinear)})
 
 
 def _moe_and_mla_know_transformer_engine_is_absent():
@@ -664,7 +657,7 @@ def build_gpt_model(model, *, mtp=True, attention="auto", **config_options):
     mtp_block_spec = None
     if config.mtp_num_layers:
         # Qwen3.5's MTP layer is a full-attention layer, whatever the decoder's last one is.
-        qwen35 = config.experimental_attention_variant == "gated_delta_net"
+        qwen35 = _gated_delta_net(config)
         mtp_block_spec = gpt_layer_specs.get_gpt_mtp_block_spec(
             config, _qwen35_layer_spec(attention, "full_attention") if qwen35 else layer_spec,
             use_transformer_engine=attention == "te")

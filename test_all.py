@@ -2523,6 +2523,11 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     with pytest.raises(checkpoint.CheckpointError,
                        match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
         checkpoint.choose_checkpoint(str(out), "auto", train_grpo.run_layout(_settings(["--tp", "2"]), world_size=4))
+    # As the command says it, before any process group: one line, no traceback (this process: world size 1).
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.main(flags.parse_args(["--out", str(out)]))
+    assert str(refused.value.code).startswith(f"train_grpo.py: --resume auto: {out / 'checkpoints' / 'step_000004'} "
+                                              "was saved with world_size 2; this run has world_size 1")
     assert flags.flag_problems(flags.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
         .startswith(f"--resume never: {out / 'checkpoints'} holds checkpoints of an earlier run")
     # What a resumed run keeps of metrics.jsonl: each step once, up to the checkpoint.
@@ -5329,12 +5334,12 @@ def test_train_grpo_reward_that_hangs_late_on_one_rank_saves_the_last_step_and_r
         settings = _settings(command[command.index("--out"):] + told)
         digests = train_grpo.input_digests(settings)
         if told:
-            flags.refuse_changed_inputs(newest, settings, digests)
+            checkpoint.refuse_changed_inputs(newest, vars(settings), digests)
             continue
-        with pytest.raises(SystemExit) as refused:
-            flags.refuse_changed_inputs(newest, settings, digests)
-        assert str(refused.value.code) == (
-            f"train_grpo.py: --resume auto: --reward '{rewards}:late' changed in content since {newest} was saved; "
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            checkpoint.refuse_changed_inputs(newest, vars(settings), digests)
+        assert str(refused.value) == (
+            f"--resume auto: --reward '{rewards}:late' changed in content since {newest} was saved; "
             "resume with the files that run read, or pass --resume-with-changed-inputs to train on the new ones")
 
 
@@ -6121,18 +6126,18 @@ def test_train_grpo_saved_state_whose_first_step_is_not_finite_is_set_aside_and_
     assert checkpoint.choose_checkpoint(out, "auto", layout) == before
 
 
-def test_flags_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):
+def test_checkpoint_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
-    assert flags.resume_flag_changes(directory, _settings(same, world_size=2)) == ""
-    assert flags.resume_flag_changes(directory, _settings(same + ["--steps", "8", "--lr", "1e-4"], world_size=2)) == \
+    assert checkpoint.resume_changes(directory, vars(_settings(same, world_size=2))) == ""
+    assert checkpoint.resume_changes(directory, vars(_settings(same + ["--steps", "8", "--lr", "1e-4"], 2))) == \
         "--steps 8 (was 5), --lr 0.0001 (was 0.0003)"
-    with pytest.raises(SystemExit) as refused:
-        flags.resume_flag_changes(directory, _settings(same + ["--group-size", "4", "--loss-agg", "seq-mean-token-sum",
-                                                               "--lr", "1e-4"], world_size=2))
-    assert str(refused.value.code) == (
-        f"train_grpo.py: --resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.resume_changes(directory, vars(_settings(same + ["--group-size", "4", "--loss-agg",
+                                                                    "seq-mean-token-sum", "--lr", "1e-4"], 2)))
+    assert str(refused.value) == (
+        f"--resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
         "and another --out")
 
@@ -6154,10 +6159,10 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
-    assert flags.resume_flag_changes(directory, _settings(same + ["--max-tokens-per-micro-batch", "64"], 2)) == \
+    assert checkpoint.resume_changes(directory, vars(_settings(same + ["--max-tokens-per-micro-batch", "64"], 2))) == \
         "--max-tokens-per-micro-batch 64 (was 0)"
-    with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer False \(was True\)"):
-        flags.resume_flag_changes(directory, _settings(same + ["--no-distributed-optimizer"], 2))
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --distributed-optimizer False \(was True\)"):
+        checkpoint.resume_changes(directory, vars(_settings(same + ["--no-distributed-optimizer"], 2)))
     # The default run's checkpoint holds each rank's shard.
     assert list(torch.load(os.path.join(directory, "rank1.pt"), weights_only=True)["optimizer"]) == [
         trainer.DISTRIBUTED_SHARDS]
@@ -6167,9 +6172,9 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
     meta = checkpoint.read_meta(directory)
     del meta["flags"]["distributed_optimizer"]
     (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
-    with pytest.raises(SystemExit, match=r"is another run: --distributed-optimizer True \(was False\)"):
-        flags.resume_flag_changes(str(older), _settings(same, 2))
-    assert flags.resume_flag_changes(str(older), _settings(same + ["--no-distributed-optimizer"], 2)) == ""
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --distributed-optimizer True \(was False\)"):
+        checkpoint.resume_changes(str(older), vars(_settings(same, 2)))
+    assert checkpoint.resume_changes(str(older), vars(_settings(same + ["--no-distributed-optimizer"], 2))) == ""
 
 
 def _optimizer_after_resume(checkpoint_dir, directory):

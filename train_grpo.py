@@ -98,7 +98,7 @@ def load_inputs(run_settings):
 
 def input_digests(run_settings):
     """{flag: sha256 of its file} for --data, --eval-data and the --reward file: a resumed run
-    must find them as the checkpoint's run left them (flags.refuse_changed_inputs)."""
+    must find them as the checkpoint's run left them (checkpoint.refuse_changed_inputs)."""
     s = run_settings
     reward_file = s.reward.rpartition(":")[0] if s.reward and s.reward != tasks.MATH_REWARD else None
     digests = {}
@@ -216,10 +216,11 @@ def set_advantages(samples, rows, settings):
 
 
 def refusing(function, *args):
-    """`function(*args)`, a tasks.InputError (bad data, a bad reward) turned into a refusal."""
+    """`function(*args)`, a tasks.InputError (bad data, a bad reward) or a
+    checkpoint.CheckpointError (a resume or save refused) turned into a refusal."""
     try:
         return function(*args)
-    except tasks.InputError as error:
+    except (tasks.InputError, checkpoint.CheckpointError) as error:
         raise usage_error(str(error)) from None
 
 
@@ -482,10 +483,10 @@ def main(args):
         print(memory_plan.format_plan(plan, hf_config), flush=True)
         return []
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
-    changed = flags.resume_flag_changes(resume_dir, s) if resume_dir else ""
+    changed = refusing(checkpoint.resume_changes, resume_dir, vars(s)) if resume_dir else ""
     inputs = input_digests(s)
     if resume_dir:
-        flags.refuse_changed_inputs(resume_dir, s, inputs)
+        refusing(checkpoint.refuse_changed_inputs, resume_dir, vars(s), inputs)
     examples, held_out = refusing(load_inputs, s)
     # SIGTERM / SIGINT from here on: stop after the step under way, with a checkpoint.
     stop = checkpoint.StopRequest()
