@@ -6698,7 +6698,9 @@ def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_
     hf_config = tiny_model.builtin_config("deepseek")[1]
     # The default run's micro-batch: 16 prompts x 8 completions, each its answer and a 256-token prompt.
     tokens = 16 * 8 * (tasks.TASKS["repeat"]["length"] + flags.MIN_MODEL_LEN)
-    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, micro_batch_tokens=tokens, device_memory=10**9)
+    # Data-parallel size 4: the distributed optimizer is on.
+    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, micro_batch_tokens=tokens, device_memory=10**9,
+                                    distributed_optimizer=True)
     assert done.stdout.strip().endswith(memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config))
     assert "world 8 = tp 2 x cp 1 x pp 1 x dp 4; experts ep 2 x expert-dp 2" in done.stdout
     assert not out.exists()
