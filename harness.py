@@ -24,6 +24,9 @@ PROCESS_TIMEOUT_SECONDS = 600
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 # vLLM's engine core runs in the calling process: no extra processes, faster start.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Imported once by the server the processes fork from, beside the caller's module: vLLM's
+# engine, which each process would otherwise import anew (seconds); absent, it is skipped.
+FORKSERVER_PRELOAD = ("vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker")
 
 
 def shared_memory_names():
@@ -80,7 +83,7 @@ def run_in_processes(fn, world_size=1, args=(), env=None, timeout=PROCESS_TIMEOU
         context = multiprocessing.get_context("spawn")
     else:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([fn.__module__])
+        context.set_forkserver_preload([fn.__module__, *FORKSERVER_PRELOAD])
     results = context.Queue()
     master_port = free_port()
     processes = [context.Process(target=_process_entry,
