@@ -6128,7 +6128,7 @@ def test_train_grpo_saved_state_whose_first_step_is_not_finite_is_set_aside_and_
     assert checkpoint.choose_checkpoint(out, "auto", layout) == before
 
 
-def test_checkpoint_resume_refuses_flags_that_make_another_run_and_takes_the_rest(uninterrupted_run):
+def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_rest(uninterrupted_run):
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
