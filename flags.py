@@ -8,13 +8,11 @@ module's own small config.
     rollout.build_engines(model_dir, rollout_config(settings), rank)
 
 Every flag is checked here before any process group exists: a bad value, a flag that does
-not fit the model or the layout, a model config.json megatron_model cannot build, a data
-file or reward that does not load, each named with
-its value and what is expected (`usage_error`: rank 0 says it, every process exits). The
-resolved settings are an argparse.Namespace with the derived values filled in; only
-train_grpo.py reads it whole (a checkpoint's meta keeps it, so that a resume can say which
-flag changed). Every other module takes its own frozen dataclass: `trainer.TrainConfig`,
-`rollout.RolloutConfig`, `grpo_loss.LossConfig`.
+not fit the model or the layout, a config.json megatron_model cannot build, a data file or
+reward that does not load, each named with its value and what is expected (`usage_error`:
+rank 0 says it, every process exits). The resolved settings are an argparse.Namespace;
+only train_grpo.py reads it whole (a checkpoint's meta keeps it, so that a resume can say
+which flag changed). Every other module takes its own frozen dataclass.
 Imports torch, the standard library and the modules whose configs and checks it uses.
 """
 
@@ -503,6 +501,11 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
+    uneven = ("--data" if args.data else "--max-tokens-per-micro-batch" if args.max_tokens_per_micro_batch
+              else f"--task {args.task}" if tasks.TASKS[args.task]["eos"] else None)
+    if experts and args.ep > 1 and uneven:
+        problems.append(f"--ep {args.ep} with {uneven}: the ranks' micro-batches differ in tokens, and megatron-core's "
+                        "all-gather MoE dispatcher needs as many on every expert-parallel rank; expected --ep 1")
     layers = hf_config.get("num_hidden_layers", 0)
     if args.pp > 1 and layers % args.pp:
         problems.append(f"--pp {args.pp}: expected a divisor of {where}'s {layers} decoder layers (num_hidden_layers; "

@@ -5661,6 +5661,21 @@ def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_n
     assert not any("--mtp-rollout" in problem for problem in problems)
 
 
+def test_flags_expert_parallel_is_refused_where_ranks_would_hold_other_token_counts(tmp_path):
+    """megatron-core's all-gather MoE dispatcher fails (gloo: "Received data size doesn't
+    match expected size") when expert-parallel ranks hold micro-batches of other lengths:
+    responses ending at EOS, data prompts, token budgets. Refused by name instead."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{n}+1=", "answer": str(n + 1)}) + "\n" for n in (1, 22, 333)))
+    for given, named in ((["--data", str(data)], "--data"), (["--task", "walk"], "--task walk"),
+                         (["--max-tokens-per-micro-batch", "64"], "--max-tokens-per-micro-batch")):
+        problems = flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--ep", "2", *given]), 2)
+        assert (f"--ep 2 with {named}: the ranks' micro-batches differ in tokens, and megatron-core's all-gather MoE "
+                "dispatcher needs as many on every expert-parallel rank; expected --ep 1") in problems, problems
+    assert flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--ep", "2"]), 2) == []
+    assert flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--data", str(data)]), 2) == []
+
+
 def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot_run():
     assert flags.flag_problems(flags.parse_args(["--pp", "2"]), world_size=2) == []
     settings = flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2)
