@@ -179,15 +179,12 @@ def add_layout_flags(p):
                         "--micro-batches to at least --pp to keep every stage busy)")
     p.add_argument("--routing-replay", action=argparse.BooleanOptionalAction, default=None,
                    help="MoE models: Megatron's routers use the experts vLLM routed each token to in the rollout "
-                        "(rollout routing replay, R3) instead of their own; off, the share of tokens whose experts "
-                        "agree is logged as routing_agreement (default: on for an MoE model without --pp; it costs no "
-                        "measurable time and keeps tokens that vLLM and Megatron route differently out of the "
-                        "log-prob mismatch)")
+                        "(rollout routing replay, R3); off, the share of tokens routed alike is logged as "
+                        "routing_agreement (default: on for an MoE model without --pp; it costs no measurable time)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="megatron-core's distributed optimizer (ZeRO-1): each data-parallel rank holds 1/DP of the "
-                        "fp32 main weights and Adam states (an MoE model's experts: 1/DP of the experts' "
-                        "data-parallel group); the same steps as the plain optimizer (default: on where "
-                        "data-parallel size > 1)")
+                        "fp32 main weights and Adam states (experts: 1/DP of their own data-parallel group) "
+                        "(default: on where data-parallel size > 1)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
