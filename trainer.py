@@ -357,12 +357,16 @@ def record_old_logprobs(policy, samples, config):
     if pipeline.stages() > 1:
         return _record_old_logprobs_pipelined(policy, micro_batches, config, device)
     for micro in micro_batches:
-        input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
-        logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
-                                    temperature=config.temperature, gather=True,
-                                    **forward_options(micro, config, device)).logprobs.float().cpu()
-        for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
-            sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
+        _record_micro_batch(policy, micro, config, device, forward_options(micro, config, device))
+
+
+def _record_micro_batch(policy, micro, config, device, options):
+    """Set "old_logprobs" of each sample of one micro-batch, `options` going to forward_logprobs."""
+    input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
+    logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
+                                temperature=config.temperature, gather=True, **options).logprobs.float().cpu()
+    for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
+        sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
 
 
 def _record_old_logprobs_pipelined(policy, micro_batches, config, device):
@@ -373,11 +377,7 @@ def _record_old_logprobs_pipelined(policy, micro_batches, config, device):
         return forward_stage(policy.model, input_ids, seqlens)
 
     def last_stage(micro):
-        input_ids, seqlens, loss_mask, *_ = pack_micro_batch(micro, device)
-        logprobs = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask,
-                                    temperature=config.temperature, gather=True).logprobs.float().cpu()
-        for sample, row in zip(micro, torch.split(logprobs, seqlens.tolist())):
-            sample["old_logprobs"] = row[len(sample["prompt_ids"]) - 1:-1]
+        _record_micro_batch(policy, micro, config, device, {})
         return torch.zeros((), device=device)
 
     pipeline.forward_backward(policy.ddp_model, micro_batches, stage_forward, last_stage, forward_only=True)
