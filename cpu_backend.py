@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
-from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
+from megatron.core.optimizer import clip_grads, layer_wise_optimizer, optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random as megatron_random
 
 DEFAULT_TIMEOUT_MINUTES = 30
@@ -228,6 +228,24 @@ def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
             destination.copy_(source * scale)
 
 
+def _grad_norm_in_float64(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+    # Summed in float64, the norm no longer depends on how the gradients are split: the
+    # distributed optimizer sums its shards' squares over ranks, the plain one whole
+    # tensors', and in float32 the two differ in the last bits and so clip differently.
+    if float(norm_type) != 2.0:
+        return _GRAD_NORM_IN_FLOAT32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    squares = torch.zeros(1, dtype=torch.float64)
+    for grad in grads_for_norm:
+        squares += torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+    dist.all_reduce(squares, group=grad_stats_parallel_group)
+    return squares.item() ** 0.5
+
+
+_GRAD_NORM_IN_FLOAT32 = clip_grads.get_grad_norm_fp32
+
+
 def install_cpu_redirects():
     """Point megatron-core's CUDA-only calls at the CPU; a no-op when CUDA is available.
 
@@ -251,6 +269,9 @@ def install_cpu_redirects():
       one in place: megatron's writes `dst.copy_(src * scale)`, a temporary and two extra
       passes over every gradient when clipping scales them in place (a quarter of the
       optimizer step on CPU).
+    - the optimizers' gradient norm -> the same L2 norm summed in float64, so that
+      clipping scales the gradients alike whether the distributed optimizer holds them in
+      shards or not.
     `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, is left
     alone (on a build without CUDA it is queued lazily and never runs);
     `init_model_parallel` seeds the default CPU generator in its place.
@@ -271,6 +292,8 @@ def install_cpu_redirects():
     for module in (clip_grads, megatron_optimizer):
         if module.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _multi_tensor_scale
+    for module in (clip_grads, megatron_optimizer, layer_wise_optimizer):
+        module.get_grad_norm_fp32 = _grad_norm_in_float64
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return True
