@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 from megatron.core import utils as megatron_utils
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
-from megatron.core.optimizer import clip_grads, layer_wise_optimizer, optimizer as megatron_optimizer
+from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random as megatron_random
 
 DEFAULT_TIMEOUT_MINUTES = 30
@@ -292,7 +292,7 @@ def install_cpu_redirects():
     for module in (clip_grads, megatron_optimizer):
         if module.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _multi_tensor_scale
-    for module in (clip_grads, megatron_optimizer, layer_wise_optimizer):
+    for module in (clip_grads, megatron_optimizer):
         module.get_grad_norm_fp32 = _grad_norm_in_float64
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
