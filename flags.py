@@ -392,9 +392,6 @@ def token_budget_problems(args):
     if budget and args.micro_batches > 1:
         problems.append(f"--max-tokens-per-micro-batch {budget} with --micro-batches {args.micro_batches}: the token "
                         "budget decides how many micro-batches; expected one of the two")
-    if budget and args.pp > 1:
-        problems.append(f"--max-tokens-per-micro-batch {budget} with --pp {args.pp}: the stages' schedule takes "
-                        "counted micro-batches; expected --pp 1 or --micro-batches")
     if budget and args.cp > 1:
         problems.append(f"--max-tokens-per-micro-batch {budget} with --cp {args.cp}: token-budget micro-batches are "
                         "not built for context parallelism (each sequence padded and split over the CP ranks); "

@@ -19,7 +19,8 @@ loss and the MTP loss are all computed on the last stage.
 How the packed micro-batches cross stages: each micro-batch packs to another length, so
 the models' config sets `variable_seq_lengths` and the schedule sends each tensor's shape
 before the tensor (one small message per hop). The MTP loss's backward scale is the
-caller's (megatron's schedule would set 1 / micro-batches after every forward). On a CPU
+caller's (megatron's schedule would set 1 / micro-batches after every forward), one for
+the step or one per micro-batch (token-budget micro-batches weigh each by its tokens). On a CPU
 the schedule runs inside `cpu_backend.cuda_on_cpu()` (it allocates with device="cuda"
 and synchronises the device).
 
@@ -52,22 +53,26 @@ def is_last_stage():
 @contextlib.contextmanager
 def _mtp_loss_scale_kept():
     """Inside: the MTP loss's backward scale stays what the caller set (the schedule sets
-    its own after every forward, for a loss divided by the number of micro-batches)."""
+    its own after every forward, for a loss divided by the number of micro-batches); yields
+    megatron's setter, for the caller's own settings."""
     setter = MTPLossAutoScaler.__dict__["set_loss_scale"]
     MTPLossAutoScaler.set_loss_scale = staticmethod(lambda scale: None)
     try:
-        yield
+        yield setter.__func__
     finally:
         MTPLossAutoScaler.set_loss_scale = setter
 
 
-def forward_backward(ddp_model, micro_batches, stage_forward, last_stage_loss, forward_only=False):
+def forward_backward(ddp_model, micro_batches, stage_forward, last_stage_loss, forward_only=False,
+                     mtp_loss_scales=None):
     """Run every micro-batch through the stages, forward and (unless `forward_only`) backward.
 
     ddp_model: megatron-core's DDP around this stage's GPTModel (its `no_sync` holds the
     gradient all-reduce until the last backward); micro_batches: a list, the same on every
-    stage of a pipeline. Returns the last stage's losses ([float] per micro-batch, in
-    order; [] on other stages). Gradients accumulate into `main_grad` as without stages.
+    stage of a pipeline; mtp_loss_scales: None (the MTP loss keeps the scale the caller
+    set) or each micro-batch's MTP loss scale (a scalar tensor). Returns the last stage's
+    losses ([float] per micro-batch, in order; [] on other stages). Gradients accumulate
+    into `main_grad` as without stages.
     """
     model = ddp_model.module if hasattr(ddp_model, "module") else ddp_model
     config = model.config
@@ -76,9 +81,13 @@ def forward_backward(ddp_model, micro_batches, stage_forward, last_stage_loss, f
     losses = []
 
     def forward_step(data_iterator, _model):
-        micro = next(data_iterator)
+        index, micro = next(data_iterator)
         if not last:
             return stage_forward(micro), None
+        if mtp_loss_scales is not None:
+            # 1F1B runs the last stage's backward of a micro-batch right after its forward
+            # (no warm-up there), so the scale set here is the one that backward reads.
+            set_mtp_loss_scale(mtp_loss_scales[index])
         loss = last_stage_loss(micro)
         losses.append(float(loss.detach()))
         # The schedule divides the loss by its token count (1 here) and by the number of
@@ -87,9 +96,9 @@ def forward_backward(ddp_model, micro_batches, stage_forward, last_stage_loss, f
 
     config.no_sync_func = None if forward_only else ddp_model.no_sync
     schedule = get_forward_backward_func()
-    with cuda_on_cpu(), _mtp_loss_scale_kept():
+    with cuda_on_cpu(), _mtp_loss_scale_kept() as set_mtp_loss_scale:
         # seq_length and micro_batch_size only size fixed shapes; variable_seq_lengths sends each.
-        schedule(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[ddp_model],
+        schedule(forward_step_func=forward_step, data_iterator=iter(enumerate(micro_batches)), model=[ddp_model],
                  num_microbatches=count, seq_length=1, micro_batch_size=1, forward_only=forward_only)
     return losses
 

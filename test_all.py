@@ -4924,6 +4924,9 @@ def test_trainer_bf16_step_learns_and_its_hf_save_reloads_bit_exact(tiny_checkpo
 # Sequences of one optimizer step, micro-batches over the whole batch (each data-parallel rank
 # takes its share of both), and what a stage layout must match one rank within.
 PIPELINE_SEQUENCES, PIPELINE_MICRO_BATCHES, PIPELINE_TOLERANCE = 8, 4, 1e-5
+# Token-budget micro-batches of the same sequences (PIPELINE_SEQUENCES of 5 to 19 tokens):
+# about four, of unequal counts, against the counted micro-batches of one rank.
+PIPELINE_TOKEN_BUDGET = 32
 
 
 def _pipeline_samples():
@@ -4941,9 +4944,10 @@ def _pipeline_samples():
             for index, (prompt, response) in enumerate(lengths[i % half] for i in range(PIPELINE_SEQUENCES))]
 
 
-def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
-    """One optimizer step of trainer.train_step at (tp, pp, ep), lr 0 and no clipping, after
-    the old log-probs' forward-only pass: this rank's old log-probs (None off the last
+def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1, budget=0, counted=PIPELINE_MICRO_BATCHES):
+    """One optimizer step of trainer.train_step at (tp, pp, ep), lr 0 and no clipping, in
+    `counted` micro-batches (with `budget`: micro-batches of at most that many tokens, from
+    every rank's samples), after the old log-probs' forward-only pass: this rank's old log-probs (None off the last
     stage), the step's metrics, every gradient in HF layout (gathered over TP, EP and the
     stages), whether the HF -> Megatron -> HF round trip was bit-exact, and where a stage
     holds an end of the tied word embeddings, how far its gradient is from the first
@@ -4953,7 +4957,8 @@ def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
                                     seed=0)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     config = trainer.TrainConfig(lr=0.0, grad_clip=1e9, tp=tp, cp=cp, ep=ep, pp=pp, ppo_epochs=2,
-                                 micro_batches=PIPELINE_MICRO_BATCHES // dp_size)
+                                 micro_batches=1 if budget else counted // dp_size,
+                                 max_tokens_per_micro_batch=budget)
     model = megatron_model.build_gpt_model(checkpoint, tensor_parallel=tp, context_parallel=cp, expert_parallel=ep,
                                            pipeline_parallel=pp)
     hf_weights.load_hf_into_megatron(model, checkpoint)
@@ -4964,7 +4969,8 @@ def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
     policy = trainer.Policy(model, *trainer.build_optimizer(model, config.lr, config.grad_clip,
                                                             overlap_grad_reduce=pp == 1))
     share = PIPELINE_SEQUENCES // dp_size
-    mine = _pipeline_samples()[dp_rank * share:(dp_rank + 1) * share]
+    mine = _pipeline_samples()[dp_rank * share:(dp_rank + 1) * share] if not budget else _pipeline_samples()
+    micro_batches = len(trainer.rank_micro_batches(mine, config))
     tied, summed = [], pipeline.sum_embedding_grads
 
     def ends_apart():
@@ -4991,7 +4997,8 @@ def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1):
     grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
              if not name.endswith("e_score_correction_bias")}
     return {"old_logprobs": [sample.get("old_logprobs") for sample in mine], "dp": (dp_rank, dp_size),
-            "metrics": metrics, "grads": grads, "round_trip_exact": round_trip_exact, "tied": tied or None}
+            "metrics": metrics, "grads": grads, "round_trip_exact": round_trip_exact, "tied": tied or None,
+            "micro_batches": micro_batches}
 
 
 def _pipeline_layouts(checkpoints, layouts):
@@ -5002,9 +5009,10 @@ def _pipeline_layouts(checkpoints, layouts):
 
 
 PIPELINE_LAYOUTS = {
-    1: (("mimo", "mimo", {}), ("deepseek", "deepseek", {})),
-    2: (("mimo pp 2", "mimo", {"pp": 2}),),
+    1: (("mimo", "mimo", {}), ("deepseek", "deepseek", {}), ("mimo in one micro-batch", "mimo", {"counted": 1})),
+    2: (("mimo pp 2", "mimo", {"pp": 2}), ("mimo pp 2 by tokens", "mimo", {"pp": 2, "budget": PIPELINE_TOKEN_BUDGET})),
     4: (("mimo pp 2 x tp 2", "mimo", {"pp": 2, "tp": 2}), ("mimo pp 2 x cp 2", "mimo", {"pp": 2, "cp": 2}),
+        ("mimo pp 2 x tp 2 by tokens", "mimo", {"pp": 2, "tp": 2, "budget": PIPELINE_TOKEN_BUDGET}),
         ("deepseek pp 2 x ep 2", "deepseek", {"pp": 2, "ep": 2})),
 }
 
@@ -5038,14 +5046,19 @@ def test_pipeline_stages_equal_one_rank_in_logprobs_mtp_loss_and_every_gradient(
         assert one_rank[family]["grads"][mtp_input].abs().sum() > 0
     for world in (2, 4):
         for rank, ranks_results in enumerate(results[world]):
-            for name, family, _ in PIPELINE_LAYOUTS[world]:
-                _assert_pipeline_equals_one_rank(one_rank[family], ranks_results[name], f"{name}, rank {rank}")
+            for name, family, options in PIPELINE_LAYOUTS[world]:
+                # Token-budget micro-batches weigh every token alike, as one micro-batch does
+                # (counted ones: megatron's MTP loss is a mean per micro-batch).
+                reference = one_rank["mimo in one micro-batch" if options.get("budget") else family]
+                _assert_pipeline_equals_one_rank(reference, ranks_results[name], f"{name}, rank {rank}")
+                if options.get("budget"):
+                    assert ranks_results[name]["micro_batches"] > 2, (name, ranks_results[name]["micro_batches"])
     # The two ends of the tied word embeddings, (before, after) their gradients are summed:
     # decoupled, the MTP layers' copy gets no gradient of its own, so unsummed it would
     # stay put while the first stage's table moves.
     ends = [ranks_results[name]["tied"] for ranks_results in results[2] + results[4] for name in ranks_results
             if ranks_results[name]["tied"] is not None]
-    assert len(ends) == 2 + 3 * 4 and max(after for _, after in ends) == 0.0
+    assert len(ends) == 2 * 2 + 4 * 4 and max(after for _, after in ends) == 0.0
     assert max(before for before, _ in ends) > 1e-4
 
 
@@ -5696,9 +5709,7 @@ def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot
         "leave the flag out or use --pp 1"]
     assert flags.flag_problems(flags.parse_args(["--pp", "2", "--shared-prefix"]), 2) == [
         "--shared-prefix: it runs without pipeline stages (this run has --pp 2); leave the flag out"]
-    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--max-tokens-per-micro-batch", "64"]), 2) == [
-        "--max-tokens-per-micro-batch 64 with --pp 2: the stages' schedule takes counted micro-batches; expected "
-        "--pp 1 or --micro-batches"]
+    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--max-tokens-per-micro-batch", "64"]), 2) == []
     assert flags.check_args(flags.parse_args(["--pp", "2"]), world_size=4).distributed_optimizer
     assert not flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2).distributed_optimizer
     with pytest.raises(SystemExit, match="argument --pp: '0': expected an int >= 1|argument --pp: 0: expected"):

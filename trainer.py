@@ -497,7 +497,7 @@ def train_step(policy, samples, config):
     policy.optimizer.zero_grad()
     sums = dict(dict.fromkeys(SUMMED_METRICS, 0.0), **METRIC_START)
     if pipeline.stages() > 1:
-        sums = _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums)
+        sums = _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums, mtp_shares)
     else:
         for index, (micro, mtp_share) in enumerate(zip(micro_batches, mtp_shares)):
             if mtp_share is not None:
@@ -530,9 +530,10 @@ def train_step(policy, samples, config):
     return dict(sums, grad_norm=grad_norm)
 
 
-def _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums):
+def _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums, mtp_shares):
     """`train_step`'s micro-batches through the pipeline stages (pipeline.py's 1F1B): every
-    stage packs each micro-batch alike, the last computes `micro_batch_loss`. Returns the
+    stage packs each micro-batch alike, the last computes `micro_batch_loss`, its MTP loss
+    weighed by the micro-batch's share (`step_normalisation`'s; None: counted). Returns the
     metric sums, the last stage's on every stage. Raises FloatingPointError on every rank,
     after the backward and before the optimizer, when a micro-batch's loss is not finite.
     Without routing: the routers of one stage see only its layers' share of the rollout's."""
@@ -544,8 +545,11 @@ def _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, c
         input_ids, seqlens, *_ = pack_micro_batch(micro, device)
         return forward_stage(policy.model, input_ids, seqlens, mtp_train=config.mtp_train)
 
+    share_of = {id(micro): share for micro, share in zip(micro_batches, mtp_shares)}
+    scales = None if mtp_shares[0] is None else [torch.tensor(config.mtp_loss_scale * share, device=device)
+                                                  for share in mtp_shares]
     losses = pipeline.forward_backward(policy.ddp_model, micro_batches, stage_forward, lambda micro: micro_batch_loss(
-        policy, micro, num_sequences, num_tokens, config, sums))
+        policy, micro, num_sequences, num_tokens, config, sums, share_of[id(micro)]), mtp_loss_scales=scales)
     names = list(sums)
     finite = [float(math.isfinite(loss)) for loss in losses] or [1.0] * len(micro_batches)
     shared = pipeline.from_last_stage([sums[name] for name in names] + finite)
