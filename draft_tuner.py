@@ -36,11 +36,17 @@ def acceptance_by_depth(statistics):
     """[A_1, ..., A_k] from `SpecDecodeMeter.read`'s statistics: A_i = P(the first i drafts
     of a verify step are accepted) (acceptance stops at the first rejection, so draft i
     accepted means all before it were), k the drafts per verify step (vLLM reports every
-    position the engine could draft); [] without verify steps."""
+    position the engine could draft); [] without verify steps. Where the statistics carry
+    `drafts_per_position` (the verify steps that drafted past each position: a schedule
+    drafting k = 1 in some bands and 3 in others), A_i is over those steps only, to the
+    deepest position any step drafted."""
     if not statistics or not statistics["num_drafts"]:
         return []
-    depth = statistics["num_draft_tokens"] // statistics["num_drafts"]
-    return [count / statistics["num_drafts"] for count in statistics["accepted_per_position"][:depth]]
+    drafts = statistics.get("drafts_per_position")
+    if drafts is None:
+        depth = statistics["num_draft_tokens"] // statistics["num_drafts"]
+        drafts = [statistics["num_drafts"]] * depth
+    return [count / drafted for count, drafted in zip(statistics["accepted_per_position"], drafts) if drafted]
 
 
 # DraftTuner: each variant tried on this many rollouts (in turns), its fastest counting (one

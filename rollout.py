@@ -394,21 +394,30 @@ def seed_engine(seed, step, rank, rollout_tp, sampling_round=0):
     torch.manual_seed(step_seed(seed, step, sampling_round) * SEED_STRIDE + rank // rollout_tp)
 
 
-def all_engines_statistics(engines, statistics, rank):
+def all_engines_statistics(engines, statistics, rank, drafts_per_position=None):
     """One engine's acceptance statistics (SpecDecodeMeter.read) -> those of every engine's
     rollout, summed (each engine counted once, by its rollout-TP rank 0), the same on
-    every rank; None without verify steps."""
-    counts = torch.zeros(3 + engines.deepest, dtype=torch.float64)
+    every rank; None without verify steps. With `drafts_per_position` (its BandMeter's,
+    every request's, the probe's too) the statistics get `drafts_per_position`: the verify
+    steps that drafted past each position, scaled to `num_drafts` (the rollout's requests)."""
+    depth = engines.deepest
+    counts = torch.zeros(3 + 2 * depth, dtype=torch.float64)
     if statistics and rank % engines.rollout_tp == 0:
-        per_position = statistics["accepted_per_position"][:engines.deepest]
+        per_position = statistics["accepted_per_position"][:depth]
         counts[:3 + len(per_position)] = torch.tensor(
             [statistics["num_drafts"], statistics["num_draft_tokens"], statistics["num_accepted_tokens"]]
             + per_position, dtype=torch.float64)
+        drafted = (drafts_per_position or [])[:depth]
+        counts[3 + depth:3 + depth + len(drafted)] = torch.tensor(drafted, dtype=torch.float64)
     dist.all_reduce(counts)
-    drafts, draft_tokens, accepted, *per_position = [int(count) for count in counts.tolist()]
+    drafts, draft_tokens, accepted, *per_position = [int(count) for count in counts[:3 + depth].tolist()]
     if not drafts:
         return None
-    return spec_config.acceptance_statistics("all_engines", drafts, draft_tokens, accepted, per_position)
+    result = spec_config.acceptance_statistics("all_engines", drafts, draft_tokens, accepted, per_position)
+    drafted = counts[3 + depth:].tolist()
+    if drafted[0]:
+        result["drafts_per_position"] = [count * drafts / drafted[0] for count in drafted]
+    return result
 
 
 def push_weights(engines, engine, model, version):
@@ -471,10 +480,12 @@ def generate(engines, model, tokenizer, examples, step, params, seed, rank, samp
     seed_engine(seed, step, rank, engines.rollout_tp, sampling_round)
     band_meter = engines.band_meters[id(engine)]
     band_meter.read()  # from here: the pushes and checks before it are not the rollout's
+    band_meter.read_drafts_per_position()
     samples, outputs, probed = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank,
                                        recorder=engines.recorders.get(id(engine)), probe=not sampling_round)
     drafting = engines.draft_tokens() > 0
-    acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank) if drafting else None
+    acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank,
+                                        band_meter.read_drafts_per_position()) if drafting else None
     if not sampling_round:
         engines.bands = all_engines_bands(engines, band_meter.read(), rank)
         if engines.tuner is not None:

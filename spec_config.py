@@ -393,7 +393,11 @@ class BandMeter:
     drafts at that band. The engine runs in this process (external_launcher); the meter
     wraps its engine core's step and its scheduler's update_from_output, so it sees every
     step of every generate call. `read()` returns the sums since the last read, keyed by
-    band: {band: {"steps", "seconds", "tokens", "drafted", "accepted", "k"}}."""
+    band: {band: {"steps", "seconds", "tokens", "drafted", "accepted", "k"}}; and
+    `read_drafts_per_position()` the verify steps (one per request) that verified a draft
+    at each position, since its last read. A step verifies the drafts proposed at the step
+    before, at that step's k: where k changes with the batch size, only these counts say
+    how many steps drafted past each position."""
 
     def __init__(self, llm):
         core = llm.llm_engine.engine_core.engine_core
@@ -423,6 +427,10 @@ class BandMeter:
                 totals["tokens"] += sum(len(output.new_token_ids) for client in outputs.values()
                                         for output in client.outputs)
                 totals["drafted"] += sum(len(tokens) for tokens in drafts.values())
+                for tokens in drafts.values():
+                    self.drafts_per_position += [0] * max(len(tokens) - len(self.drafts_per_position), 0)
+                    for position in range(len(tokens)):
+                        self.drafts_per_position[position] += 1
                 # A request that verified drafts samples its accepted drafts and one token more.
                 totals["accepted"] += sum(len(sampled) - 1 for req, sampled in
                                           zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
@@ -430,9 +438,13 @@ class BandMeter:
                 self._pending = totals
             return outputs
 
-        self._pending = None
+        self._pending, self.drafts_per_position = None, []
         core.step_fn, scheduler.update_from_output = timed_step, counted_update
 
     def read(self):
         totals, self.totals = self.totals, {}
         return totals
+
+    def read_drafts_per_position(self):
+        counts, self.drafts_per_position = self.drafts_per_position, []
+        return counts

@@ -3224,6 +3224,19 @@ def _draft_controls(checkpoint):
                                                      for length in lengths], use_tqdm=False)
     result["band_lengths"] = [len(output.outputs[0].token_ids) for output in outputs]
     result["bands"] = band_meter.read()
+    # A mixed schedule, k = 1 for the last sequence (alone for 30 tokens) and 3 for the last
+    # two: each depth's acceptance over the verify steps that drafted that deep, and over
+    # every verify step.
+    spec_config.set_draft_schedule(engine, [1, DYNAMIC_DRAFT_TOKENS] + [0] * (len(spec_config.BAND_EDGES) - 2))
+    band_meter.read_drafts_per_position()
+    statistics = meter.read(engine.generate(WEIGHT_SYNC_PROMPTS, [
+        SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True) for length in (6, 12, 18, 48)],
+        use_tqdm=False))
+    drafts = band_meter.read_drafts_per_position()
+    result["mixed"] = {"drafts_per_position": drafts, "num_drafts": statistics["num_drafts"],
+                       "every_step": [count / statistics["num_drafts"] for count in statistics["accepted_per_position"]],
+                       "without": draft_tuner.acceptance_by_depth(statistics),
+                       "by_position": draft_tuner.acceptance_by_depth(dict(statistics, drafts_per_position=drafts))}
     with pytest.raises(ValueError) as error:
         spec_config.set_draft_schedule(engine, [1, 2])
     result["bad_schedule"] = str(error.value)
@@ -3270,6 +3283,16 @@ def test_vllm_sync_names_a_stale_draft_and_draft_tokens_switch_per_generate(tiny
     assert sum(band["accepted"] for band in thin) > 0.5 * sum(band["drafted"] for band in thin)
     assert sum(band["steps"] for band in thin) < sum(band["tokens"] for band in thin)
     assert "expected 10 ints (one per band of (1, 2, 4, 8" in result["bad_schedule"]
+    # Mixed k: BandMeter counts the verify steps that drafted past each position (a step
+    # verifies what the step before drafted, at that step's k), so each depth is over its
+    # own steps. Over every verify step the depths past 1 read low (the k = 1 steps cannot
+    # accept there), and the drafts per step (27 / 17) lose depths 2 and 3.
+    mixed = result["mixed"]
+    print(mixed)
+    drafts = mixed["drafts_per_position"]
+    assert len(drafts) == DYNAMIC_DRAFT_TOKENS and drafts[0] == mixed["num_drafts"] and drafts[-1] < drafts[0] / 2
+    assert len(mixed["by_position"]) == DYNAMIC_DRAFT_TOKENS and 0.8 < min(mixed["by_position"])
+    assert max(mixed["by_position"]) <= 1.0 and mixed["every_step"][-1] < 0.5 and len(mixed["without"]) == 1
     # The engine loaded the checkpoint Megatron started from, but Megatron's weights moved
     # (draft-friendly): stale before the push, exact after it. Every drafter tensor is
     # compared: 13 of the MTP layer, the shared embedding and output layer.
