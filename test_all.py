@@ -4682,9 +4682,12 @@ def test_trainer_step_at_data_parallel_2_equals_data_parallel_1(tiny_checkpoint)
 
 
 DISTRIBUTED_OPTIMIZER_STEPS = 2
-# Grad norm: the shards' float64 sums of squares in another order (measured 4e-16); with it
-# the clipped gradients, so the weights, are equal bit for bit (float32 norms: 1.2e-6 apart).
-DISTRIBUTED_OPTIMIZER_RTOL = 1e-12
+# Grad norm on the CPU: the shards' float64 sums of squares in another order (measured
+# 4e-16; cpu_backend); with it the clipped gradients, so the weights, are equal bit for bit
+# (float32 norms: 1.2e-6 apart). On a GPU megatron-core's own float32 norm: within 1e-6 and
+# the weights within 1e-5.
+DISTRIBUTED_OPTIMIZER_RTOL = 1e-6 if torch.cuda.is_available() else 1e-12
+DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL = 1e-5 if torch.cuda.is_available() else 0.0
 DISTRIBUTED_OPTIMIZER_PADDING = 2 * 128  # Adam's two tensors x megatron's bucket padding per rank
 
 
@@ -4766,7 +4769,7 @@ def test_trainer_distributed_optimizer_equals_the_plain_one_holds_1_over_dp_and_
                              args=(checkpoint, expert_parallel, False)) if family == "tiny" else sharded
     for rank, (one, two) in enumerate(zip(plain, sharded)):
         assert two["norms"] == pytest.approx(one["norms"], rel=DISTRIBUTED_OPTIMIZER_RTOL), rank
-        assert torch.equal(two["weights"], one["weights"]), (rank, (two["weights"] - one["weights"]).abs().max())
+        assert (two["weights"] - one["weights"]).abs().max() <= DISTRIBUTED_OPTIMIZER_WEIGHT_ATOL, rank
         assert one["resumed_exact"] and two["resumed_exact"], rank
         # build_optimizer's fused CPU Adam, on every chained optimizer (where CUDA is absent).
         assert two["fused"] == (not torch.cuda.is_available()), rank
