@@ -3224,19 +3224,7 @@ def _draft_controls(checkpoint):
                                                      for length in lengths], use_tqdm=False)
     result["band_lengths"] = [len(output.outputs[0].token_ids) for output in outputs]
     result["bands"] = band_meter.read()
-    # A mixed schedule, k = 1 for the last sequence (alone for 30 tokens) and 3 for the last
-    # two: each depth's acceptance over the verify steps that drafted that deep, and over
-    # every verify step.
-    spec_config.set_draft_schedule(engine, [1, DYNAMIC_DRAFT_TOKENS] + [0] * (len(spec_config.BAND_EDGES) - 2))
-    band_meter.read_drafts_per_position()
-    statistics = meter.read(engine.generate(WEIGHT_SYNC_PROMPTS, [
-        SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True) for length in (6, 12, 18, 48)],
-        use_tqdm=False))
-    drafts = band_meter.read_drafts_per_position()
-    result["mixed"] = {"drafts_per_position": drafts, "num_drafts": statistics["num_drafts"],
-                       "every_step": [count / statistics["num_drafts"] for count in statistics["accepted_per_position"]],
-                       "without": draft_tuner.acceptance_by_depth(statistics),
-                       "by_position": draft_tuner.acceptance_by_depth(dict(statistics, drafts_per_position=drafts))}
+    result["mixed"] = _mixed_schedule_acceptance(engine, meter, band_meter)
     with pytest.raises(ValueError) as error:
         spec_config.set_draft_schedule(engine, [1, 2])
     result["bad_schedule"] = str(error.value)
@@ -3257,6 +3245,23 @@ def _draft_controls(checkpoint):
     result["tensors_checked_again"] = vllm_sync.check_draft(model, engine)
     del engine
     return result
+
+
+def _mixed_schedule_acceptance(engine, meter, band_meter):
+    """A mixed schedule, k = 1 for the last sequence (alone for 30 tokens) and 3 for the last
+    two: each depth's acceptance over the verify steps that drafted that deep, over every
+    verify step, and as acceptance_by_depth reads it without the per-position counts."""
+    from vllm import SamplingParams
+    spec_config.set_draft_schedule(engine, [1, DYNAMIC_DRAFT_TOKENS] + [0] * (len(spec_config.BAND_EDGES) - 2))
+    band_meter.read_drafts_per_position()
+    statistics = meter.read(engine.generate(WEIGHT_SYNC_PROMPTS, [
+        SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True) for length in (6, 12, 18, 48)],
+        use_tqdm=False))
+    drafts = band_meter.read_drafts_per_position()
+    return {"drafts_per_position": drafts, "num_drafts": statistics["num_drafts"],
+            "every_step": [count / statistics["num_drafts"] for count in statistics["accepted_per_position"]],
+            "without": draft_tuner.acceptance_by_depth(statistics),
+            "by_position": draft_tuner.acceptance_by_depth(dict(statistics, drafts_per_position=drafts))}
 
 
 def test_vllm_sync_names_a_stale_draft_and_draft_tokens_switch_per_generate(tiny_checkpoint):
