@@ -292,7 +292,6 @@ def install_cpu_redirects():
     for module in (clip_grads, megatron_optimizer):
         if module.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _multi_tensor_scale
-    for module in (clip_grads, megatron_optimizer):
         module.get_grad_norm_fp32 = _grad_norm_in_float64
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -27,6 +27,7 @@ the config merge works without vLLM installed.
 """
 
 import bisect
+import collections
 import functools
 import importlib.metadata
 import json
@@ -427,10 +428,7 @@ class BandMeter:
                 totals["tokens"] += sum(len(output.new_token_ids) for client in outputs.values()
                                         for output in client.outputs)
                 totals["drafted"] += sum(len(tokens) for tokens in drafts.values())
-                for tokens in drafts.values():
-                    self.drafts_per_position += [0] * max(len(tokens) - len(self.drafts_per_position), 0)
-                    for position in range(len(tokens)):
-                        self.drafts_per_position[position] += 1
+                self.draft_lengths.update(len(tokens) for tokens in drafts.values())
                 # A request that verified drafts samples its accepted drafts and one token more.
                 totals["accepted"] += sum(len(sampled) - 1 for req, sampled in
                                           zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
@@ -438,7 +436,7 @@ class BandMeter:
                 self._pending = totals
             return outputs
 
-        self._pending, self.drafts_per_position = None, []
+        self._pending, self.draft_lengths = None, collections.Counter()
         core.step_fn, scheduler.update_from_output = timed_step, counted_update
 
     def read(self):
@@ -446,5 +444,6 @@ class BandMeter:
         return totals
 
     def read_drafts_per_position(self):
-        counts, self.drafts_per_position = self.drafts_per_position, []
-        return counts
+        lengths, self.draft_lengths = self.draft_lengths, collections.Counter()
+        return [sum(count for length, count in lengths.items() if length > position)
+                for position in range(max(lengths, default=0))]
