@@ -420,12 +420,14 @@ def row_draft_training():
 
 # The walk task (long-tailed responses that end at EOS) from a policy that mostly walks, as
 # RL starts from an SFT model: it ends its answers and its MTP head trained alongside
-# (stage 1, 90 steps: reward 0.94, the head's loss 0.5; it rolls out without drafting, so it
+# (stage 1, 150 steps: reward 0.97, the head's loss 0.3; it rolls out without drafting, so it
 # depends on the seed alone). From it, the same run, seed and flags with
 # --num-speculative-tokens auto and with --no-mtp-rollout, RL_ROUNDS times, their order
-# swapped each round.
-RL_STAGE1_FLAGS = ("--task", "walk", "--steps", "90", "--no-mtp-rollout")
-RL_STAGE2_FLAGS = ("--task", "walk", "--steps", "40")
+# swapped each round. 8 prompts per step (64 sequences per engine): on a CPU a crowded
+# engine step is compute-bound, so fewer sequences leave the rollout's thin tail a larger
+# share, as a GPU's memory-bound steps do at any batch.
+RL_STAGE1_FLAGS = ("--task", "walk", "--steps", "150", "--no-mtp-rollout")
+RL_STAGE2_FLAGS = ("--task", "walk", "--steps", "40", "--prompts-per-step", "8")
 RL_VARIANTS = {"drafting": (), "none": ("--no-mtp-rollout",)}
 RL_ROUNDS = 3
 RL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-rl-drafting")
@@ -471,7 +473,8 @@ def plot_rl_drafting(rounds, path):
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.suptitle("walk task, 2 processes: drafting by live batch size (auto) vs none, from the same policy",
+    figure.suptitle("walk task, 2 processes, 8 prompts x 8 completions per engine: drafting by live batch size "
+                    "(auto) vs none, from the same policy",
                     fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -16,14 +16,16 @@ vocabulary earns about 1%:
 - count: "count:7" -> the next 32 digits counting up mod `count_step`'s steps, "8901...";
   a digit earns its credit when it follows the one before it. Answers long enough to
   draft, on a model deep enough for a draft to be cheap next to a target step.
-- walk: "walk:q" -> "rStuVwxYz</s>", the rest of the chain 0-9, a-z from the symbol after
-  the prompt's, each letter in either case, then the end-of-sequence token. Shaped like
-  reasoning RL for drafting: responses end at EOS and their lengths are long-tailed (the
-  training pool weighs a start by 1 / its answer's length: median 7 tokens, a tenth 23 or
-  longer, at most 36), so a rollout's wall time is its few longest responses, decoded at
-  low concurrency; and the free choice of case keeps the policy's entropy (as a reasoning
-  policy's phrasing), so a trained MTP head accepts less than always. A token earns its
-  credit when it follows the one before it (any case; EOS after "z"); docs/TASKS.md.
+- walk: "walk:q" -> "rStuVwxYz</s>", the rest of the chain (27 punctuation marks, 0-9,
+  a-z) from the symbol after the prompt's, each letter in either case, then the
+  end-of-sequence token. Shaped like reasoning RL for drafting: responses end at EOS and
+  their lengths are long-tailed (the training pool weighs a start by 1 / its answer's
+  length: median 8 tokens, a tenth 41 or longer, at most 63), so a rollout's wall time is
+  its few longest responses, decoded at low concurrency; the free choice of case and the
+  long walks' rarely trained start keep the policy's entropy (as a reasoning policy's
+  phrasing and its uncertain long answers), so a trained MTP head accepts less than
+  always. A token earns its credit when it follows the one before it (any case; EOS after
+  "z"); docs/RESULTS.md.
 
 Data files: .jsonl or .parquet, in our layout ({"prompt", "answer"}) or verl's (prompt
 as chat messages, answer under reward_model.ground_truth); keys are column names or
@@ -61,11 +63,13 @@ import time
 REPEAT_LETTERS = "abcde"
 REPEAT_HELD_OUT = tuple(REPEAT_LETTERS[i] + REPEAT_LETTERS[(i + 2) % len(REPEAT_LETTERS)]
                         for i in range(len(REPEAT_LETTERS)))
-# walk's chain: a start symbol's answer is the symbols after it, then EOS. Held out: starts
-# whose answers are 2, 5, 11, 23 and 30 symbols long; every symbol still appears in the
-# training answers, so a policy that learned the rule walks from them too.
-WALK_CHAIN = "0123456789abcdefghijklmnopqrstuvwxyz"
-WALK_HELD_OUT = tuple(WALK_CHAIN[len(WALK_CHAIN) - 1 - length] for length in (2, 5, 11, 23, 30))
+# walk's chain: a start symbol's answer is the symbols after it, then EOS. Punctuation
+# (no ':' the prompt ends with, no quotes or backslash) leads the digits and letters, so
+# the longest answers are 62 symbols while the common short ones are letters. Held out:
+# starts whose answers are 2, 5, 11, 23, 30 and 47 symbols long; every symbol still
+# appears in the training answers, so a policy that learned the rule walks from them too.
+WALK_CHAIN = "!#$%&()*+,-./;<=>?@[]^_{|}~0123456789abcdefghijklmnopqrstuvwxyz"
+WALK_HELD_OUT = tuple(WALK_CHAIN[len(WALK_CHAIN) - 1 - length] for length in (2, 5, 11, 23, 30, 47))
 WALK_STARTS = tuple(symbol for symbol in WALK_CHAIN[:-1] if symbol not in WALK_HELD_OUT)
 # Each built-in task: the symbols (repeat: letter pairs, count: digits, walk: chain symbols)
 # its prompts are drawn from, those held out for evaluation (training never samples them),
@@ -79,7 +83,7 @@ TASKS = {
                               if first + second not in REPEAT_HELD_OUT),
                "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4, "eos": False},
     "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3, "eos": False},
-    "walk": {"train": WALK_STARTS, "held_out": WALK_HELD_OUT, "length": 40, "model": "deep", "lr": 1e-3,
+    "walk": {"train": WALK_STARTS, "held_out": WALK_HELD_OUT, "length": 67, "model": "deep", "lr": 1e-3,
              "eos": True},
 }
 DIGITS = "0123456789"

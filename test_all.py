@@ -2097,16 +2097,16 @@ def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     assert tasks.task_examples("walk", "q") == [{"prompt": "walk:q", "answer": "rstuvwxyz"}]
     settings = _settings(["--task", "walk"])
-    assert (settings.max_new_tokens, settings.lr, settings.builtin_model, settings.ignore_eos) == (40, 1e-3, "deep", False)
+    assert (settings.max_new_tokens, settings.lr, settings.builtin_model, settings.ignore_eos) == (67, 1e-3, "deep", False)
     assert _settings(["--task", "count"]).ignore_eos and not _settings(["--data", "x.jsonl"]).ignore_eos
     # The training pool: a start weighs 1 / its answer's length. Response lengths (EOS
-    # included): median 7, a tenth 23 or longer, at most 36; the held-out starts walk 2 to
-    # 30 symbols.
+    # included): median 8, a tenth 41 or longer, at most 63; the held-out starts walk 2 to
+    # 47 symbols.
     training, held_out = tasks.split_examples(None, None, 0, "walk")
     lengths = sorted(len(example["answer"]) + 1 for example in training)
-    assert (len(lengths), lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]) == (114, 7, 23, 36)
-    assert lengths.count(2) == 35 and lengths.count(36) == 1
-    assert sorted(len(example["answer"]) for example in held_out) == [2, 5, 11, 23, 30]
+    assert (len(lengths), lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]) == (235, 8, 41, 63)
+    assert lengths.count(2) == 62 and lengths.count(63) == 1
+    assert sorted(len(example["answer"]) for example in held_out) == [2, 5, 11, 23, 30, 47]
     successors, eos = tasks.walk_successors(tokenizer), tokenizer.eos_token_id
 
     def credits(prompt, response, end=False):
@@ -2115,6 +2115,7 @@ def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case
 
     assert credits("walk:v", "wXyZ", end=True) == [1.0] * 5
     assert credits("walk:8", "9aB") == [1.0] * 3
+    assert credits("walk:!", "#$") == [1.0] * 2 and credits("walk:~", "01") == [1.0] * 2
     # A wrong symbol loses its own credit only (the one after it is judged against it, as
     # in count); EOS earns it after "z" alone.
     assert credits("walk:v", "wyz", end=True) == [1.0, 0.0, 1.0, 1.0]

@@ -71,9 +71,9 @@ class TrainConfig:
     mtp_loss_scale: float = 1.0       # x megatron's MTP loss weight
     # What the MTP head learns (forward.MTP_TARGET_MODES): "sampled", the next token drawn, or
     # "policy", the policy's own detached next-token distribution (SkyRL's soft targets).
-    # "sampled": on the walk task both accepted alike (docs/RESULTS.md), and "policy" costs
-    # one more output-layer pass per forward.
-    mtp_target: str = "sampled"
+    # "policy": on the walk task its drafts were accepted more (docs/RESULTS.md), for one
+    # more output-layer pass per forward.
+    mtp_target: str = "policy"
     # ZeRO-1: each data-parallel rank keeps 1/DP of the fp32 main weights and Adam states
     # (megatron-core's DistributedOptimizer; the experts' over their own data-parallel group).
     distributed_optimizer: bool = False
