@@ -420,7 +420,7 @@ def row_draft_training():
 
 # The walk task (long-tailed responses that end at EOS) from a policy that mostly walks, as
 # RL starts from an SFT model: it ends its answers and its MTP head trained alongside
-# (stage 1, 150 steps: reward 0.97, the head's loss 0.3; it rolls out without drafting, so it
+# (stage 1, 150 steps: reward 0.97, the head's loss 0.35; it rolls out without drafting, so it
 # depends on the seed alone). From it, the same run, seed and flags with
 # --num-speculative-tokens auto and with --no-mtp-rollout, RL_ROUNDS times, their order
 # swapped each round. 8 prompts per step (64 sequences per engine): on a CPU a crowded

@@ -4657,7 +4657,7 @@ def test_trainer_micro_batch_passes_its_mtp_target_on(monkeypatch):
     policy = trainer.Policy(model=torch.nn.Linear(1, 1), ddp_model=None, optimizer=None)
     sample = {"prompt_ids": [3, 4], "response_ids": [5, 6], "advantages": torch.ones(2), "rollout_logprobs": [-1.0, -1.0],
               "group": 0}
-    assert trainer.TrainConfig().mtp_target == "sampled"
+    assert trainer.TrainConfig().mtp_target == "policy"
     for target in ("policy", "sampled"):
         with pytest.raises(Reached):
             trainer.micro_batch_loss(policy, [sample], 1, 2, trainer.TrainConfig(mtp_target=target), sums={})
@@ -4877,7 +4877,9 @@ def _token_budget_gradients(checkpoint, cases):
     results = []
     for loss_agg, budget, mutant in cases:
         model.load_state_dict(start, strict=False)
-        config = trainer.TrainConfig(max_tokens_per_micro_batch=budget,
+        # Sampled MTP targets: the random tiny model's soft targets are near its head's own
+        # distribution, and their MTP gradient too small for the mtp-by-count mutant to show.
+        config = trainer.TrainConfig(max_tokens_per_micro_batch=budget, mtp_target="sampled",
                                      loss=grpo_loss.LossConfig(loss_agg=loss_agg))
         share = samples if budget else samples[dp_rank * 16 // dp_size:(dp_rank + 1) * 16 // dp_size]
         with contextlib.ExitStack() as stack:
@@ -5683,9 +5685,9 @@ def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_no
 
 
 def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused():
-    assert flags.parse_args([]).mtp_target == trainer.TrainConfig().mtp_target == "sampled"
-    settings = flags.check_args(flags.parse_args(["--mtp-target", "policy"]), world_size=2)
-    assert flags.train_config(settings).mtp_target == "policy"
+    assert flags.parse_args([]).mtp_target == trainer.TrainConfig().mtp_target == "policy"
+    settings = flags.check_args(flags.parse_args(["--mtp-target", "sampled"]), world_size=2)
+    assert flags.train_config(settings).mtp_target == "sampled"
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-target", "soft"])
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
