@@ -501,7 +501,7 @@ def train_step(policy, samples, config):
     else:
         for index, (micro, mtp_share) in enumerate(zip(micro_batches, mtp_shares)):
             if mtp_share is not None:
-                MTPLossAutoScaler.set_loss_scale(torch.tensor(config.mtp_loss_scale * mtp_share, device=device))
+                MTPLossAutoScaler.set_loss_scale(mtp_loss_scale(config, mtp_share, device))
             loss = micro_batch_loss(policy, micro, num_sequences, num_tokens, config, sums, mtp_share)
             # Every rank stops together, before the optimizer touches the weights: the last
             # checkpoint on disk stays the last good one.
@@ -530,6 +530,12 @@ def train_step(policy, samples, config):
     return dict(sums, grad_norm=grad_norm)
 
 
+def mtp_loss_scale(config, mtp_share, device):
+    """The MTP loss's backward scale for a micro-batch holding `mtp_share` of the step's MTP
+    tokens (a scalar tensor on `device`)."""
+    return torch.tensor(config.mtp_loss_scale * mtp_share, device=device)
+
+
 def _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, config, sums, mtp_shares):
     """`train_step`'s micro-batches through the pipeline stages (pipeline.py's 1F1B): every
     stage packs each micro-batch alike, the last computes `micro_batch_loss`, its MTP loss
@@ -541,15 +547,17 @@ def _pipelined_micro_batches(policy, micro_batches, num_sequences, num_tokens, c
                      for micro in micro_batches]
     device = next(policy.model.parameters()).device
 
-    def stage_forward(micro):
-        input_ids, seqlens, *_ = pack_micro_batch(micro, device)
+    def stage_forward(micro_and_share):
+        input_ids, seqlens, *_ = pack_micro_batch(micro_and_share[0], device)
         return forward_stage(policy.model, input_ids, seqlens, mtp_train=config.mtp_train)
 
-    share_of = {id(micro): share for micro, share in zip(micro_batches, mtp_shares)}
-    scales = None if mtp_shares[0] is None else [torch.tensor(config.mtp_loss_scale * share, device=device)
-                                                  for share in mtp_shares]
-    losses = pipeline.forward_backward(policy.ddp_model, micro_batches, stage_forward, lambda micro: micro_batch_loss(
-        policy, micro, num_sequences, num_tokens, config, sums, share_of[id(micro)]), mtp_loss_scales=scales)
+    def last_stage_loss(micro_and_share):
+        micro, share = micro_and_share
+        return micro_batch_loss(policy, micro, num_sequences, num_tokens, config, sums, share)
+
+    scales = None if mtp_shares[0] is None else [mtp_loss_scale(config, share, device) for share in mtp_shares]
+    losses = pipeline.forward_backward(policy.ddp_model, list(zip(micro_batches, mtp_shares)), stage_forward,
+                                       last_stage_loss, mtp_loss_scales=scales)
     names = list(sums)
     finite = [float(math.isfinite(loss)) for loss in losses] or [1.0] * len(micro_batches)
     shared = pipeline.from_last_stage([sums[name] for name in names] + finite)
