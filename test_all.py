@@ -1651,6 +1651,24 @@ def test_spec_config_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_
     assert unfixed["accepted"] < fixed["accepted"]
 
 
+def test_spec_config_sampled_drafts_keep_the_policys_distribution(tiny_checkpoint):
+    result, = run_in_processes(_sampled_drafts, args=(tiny_checkpoint,), env=VLLM_ENV)
+    print(result)
+    assert result["config"]["draft_sample_method"] == "probabilistic"
+    assert result["user_greedy"]["draft_sample_method"] == "greedy"  # the user's --spec-config wins
+    sampled, misaligned = result["sampled"], result["misaligned"]
+    assert sampled["drafts_had_probabilities"]
+    # Each prompt's likeliest 3-token path is drawn as often as Megatron's probability of it
+    # says (1000 draws: 4 standard deviations), and rejections happened (q is not p).
+    for frequency, probability in zip(sampled["path_frequency"], result["path_probability"]):
+        assert 0.3 < probability < 0.95
+        assert abs(frequency - probability) < 4 * math.sqrt(probability * (1 - probability) / SAMPLED_DRAFTS_PER_PROMPT)
+    assert 0.5 < sampled["acceptance"] < 0.99
+    # Draft probabilities from the other prompt's request: its sharp q misjudges the ratio.
+    assert any(abs(frequency - probability) > 8 * math.sqrt(probability * (1 - probability) / SAMPLED_DRAFTS_PER_PROMPT)
+               for frequency, probability in zip(misaligned["path_frequency"], result["path_probability"]))
+
+
 # ---------------------------------------------------------------------------------------
 # grpo_loss: advantages, aggregation and the PPO loss, by hand
 # ---------------------------------------------------------------------------------------
@@ -3187,6 +3205,57 @@ def _drafted_sampling(checkpoint):
     return to_host(result)
 
 
+SAMPLED_DRAFTS_PROMPTS = ([5, 6, 7], [40, 41, 42])  # draft-friendly weights continue them 8 9 10, 43 44 45
+SAMPLED_DRAFTS_PER_PROMPT = 1000
+SAMPLED_DRAFTS_TOKENS = 3
+
+
+def _sampled_drafts(checkpoint):
+    """Tempered sampling with drafts sampled from a head sharper than the policy
+    (spec_config.sampled_draft_config): per prompt, how often its completions take the
+    likeliest path and Megatron's probability of that path; and the same again with each
+    request's draft probabilities handed to the request before it (the two prompts
+    alternate, so to the other prompt's), a misalignment that must show."""
+    from vllm import LLM, SamplingParams
+
+    model = _draft_friendly_megatron_model(checkpoint)
+    with torch.no_grad():
+        model.mtp.layers[0].final_layernorm.weight.mul_(2.0)  # q sharper than p: rejections happen
+    spec_config.fix_cpu_draft_sampling()
+    speculative = spec_config.sampled_draft_config(build_mtp_speculative_config("mtp", 2))
+    engine = LLM(model=checkpoint, weight_transfer_config=vllm_sync.in_process_weight_transfer_config(),
+                 per_request_spec_decode_metrics="summary",
+                 **dict(WEIGHT_SYNC_ENGINE_OPTIONS, speculative_config=speculative))
+    vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
+    drafter = engine.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    paths = [ids[-1:] + [ids[-1] + step for step in range(1, SAMPLED_DRAFTS_TOKENS + 1)] for ids in SAMPLED_DRAFTS_PROMPTS]
+    with torch.no_grad():
+        path_logprobs = [forward.forward_logprobs(model, torch.tensor(ids + path[1:]), [len(ids) + SAMPLED_DRAFTS_TOKENS],
+                                                  gather=True, temperature=DRAFTED_SAMPLING_TEMPERATURE).logprobs
+                         for ids, path in zip(SAMPLED_DRAFTS_PROMPTS, paths)]
+    user_greedy = build_mtp_speculative_config("mtp", 2, {"draft_sample_method": "greedy"})
+    result = {"config": speculative, "user_greedy": spec_config.sampled_draft_config(user_greedy),
+              "path_probability": [logprobs[-SAMPLED_DRAFTS_TOKENS - 1:-1].sum().exp().item()
+                                                          for logprobs in path_logprobs]}
+    params = SamplingParams(max_tokens=SAMPLED_DRAFTS_TOKENS, temperature=DRAFTED_SAMPLING_TEMPERATURE, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for _ in range(SAMPLED_DRAFTS_PER_PROMPT) for ids in SAMPLED_DRAFTS_PROMPTS]
+    meter = spec_config.SpecDecodeMeter(engine)
+    take_draft_probs = drafter.take_last_draft_probs
+    for name in ("sampled", "misaligned"):
+        if name == "misaligned":
+            drafter.take_last_draft_probs = lambda: (None if (probs := take_draft_probs()) is None
+                                                     else probs.roll(1, dims=0))
+        torch.manual_seed(0)
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        on_path = [0] * len(SAMPLED_DRAFTS_PROMPTS)
+        for index, output in enumerate(outputs):
+            on_path[index % len(on_path)] += list(output.outputs[0].token_ids) == paths[index % len(on_path)][1:]
+        result[name] = {"path_frequency": [count / SAMPLED_DRAFTS_PER_PROMPT for count in on_path],
+                        "acceptance": meter.read(outputs)["acceptance_rate"],
+                        "drafts_had_probabilities": take_draft_probs() is not None}
+    return result
+
+
 DYNAMIC_DRAFT_TOKENS = 3
 
 
@@ -4036,6 +4105,34 @@ def _moe_routing_replay(checkpoint):
     return to_host({"samples": len(samples), "routed_shape": tuple(routed.shape),
                     "unknown_rows": int((routed < 0).all(-1).all(-1).sum()), "agreement": recorded.routing_agreement, "loss_mask": loss_mask, "unreplayed": unreplayed,
                     "replayed": replayed, "wrong": wrong})
+
+
+def _token_ranks():
+    """vLLM's compiled token-rank count against rollout.count_at_least, ties included, and
+    whether rollout.eager_token_ranks points vLLM's sampler at it."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, 128, generator=generator).log_softmax(-1)
+    scores[0, :4] = scores[0, 5]  # five tokens tie with row 0's sampled one
+    columns = torch.randint(128, (6, 1), generator=generator)
+    columns[0] = 5
+    values = scores.gather(-1, columns)
+    result = {"compiled": logprobs.batched_count_greater_than(scores, values),
+              "eager": rollout.count_at_least(scores, values), "before": sampler.batched_count_greater_than}
+    result.update(patched=rollout.eager_token_ranks(), patched_again=rollout.eager_token_ranks(),
+                  sampler_counts_eagerly=sampler.batched_count_greater_than is rollout.count_at_least,
+                  before_was_compiled=result.pop("before") is logprobs.batched_count_greater_than)
+    return result
+
+
+def test_rollout_eager_token_ranks_count_as_vllms_compiled_function():
+    result, = run_in_processes(_token_ranks, env=VLLM_ENV)
+    assert torch.equal(result["eager"], result["compiled"])
+    assert result["eager"][0].item() >= 5 and result["eager"].dtype == torch.int64
+    assert result["before_was_compiled"] and result["patched"] and result["patched_again"]
+    assert result["sampler_counts_eagerly"]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
