@@ -344,7 +344,7 @@ def sampled_draft_config(config):
     where the installed vLLM offers it and the user's options set no draft_sample_method;
     otherwise `config` unchanged. Imports vLLM's config module: call it where vLLM is used."""
     from vllm.config import SpeculativeConfig
-    if not set(SAMPLED_DRAFTS) <= set(getattr(SpeculativeConfig, "__dataclass_fields__", ())):
+    if "draft_sample_method" not in getattr(SpeculativeConfig, "__dataclass_fields__", ()):
         return config
     return {**SAMPLED_DRAFTS, **config}
 

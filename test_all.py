@@ -3228,9 +3228,9 @@ def _sampled_drafts(checkpoint):
                  **dict(WEIGHT_SYNC_ENGINE_OPTIONS, speculative_config=speculative))
     vllm_sync.push_to_vllm(model, engine, bucket_bytes=WEIGHT_SYNC_BUCKET_BYTES)
     drafter = engine.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-    paths = [ids[-1:] + [ids[-1] + step for step in range(1, SAMPLED_DRAFTS_TOKENS + 1)] for ids in SAMPLED_DRAFTS_PROMPTS]
+    paths = [[ids[-1] + step for step in range(1, SAMPLED_DRAFTS_TOKENS + 1)] for ids in SAMPLED_DRAFTS_PROMPTS]
     with torch.no_grad():
-        path_logprobs = [forward.forward_logprobs(model, torch.tensor(ids + path[1:]), [len(ids) + SAMPLED_DRAFTS_TOKENS],
+        path_logprobs = [forward.forward_logprobs(model, torch.tensor(ids + path), [len(ids) + SAMPLED_DRAFTS_TOKENS],
                                                   gather=True, temperature=DRAFTED_SAMPLING_TEMPERATURE).logprobs
                          for ids, path in zip(SAMPLED_DRAFTS_PROMPTS, paths)]
     user_greedy = build_mtp_speculative_config("mtp", 2, {"draft_sample_method": "greedy"})
@@ -3249,7 +3249,7 @@ def _sampled_drafts(checkpoint):
         outputs = engine.generate(prompts, params, use_tqdm=False)
         on_path = [0] * len(SAMPLED_DRAFTS_PROMPTS)
         for index, output in enumerate(outputs):
-            on_path[index % len(on_path)] += list(output.outputs[0].token_ids) == paths[index % len(on_path)][1:]
+            on_path[index % len(on_path)] += list(output.outputs[0].token_ids) == paths[index % len(on_path)]
         result[name] = {"path_frequency": [count / SAMPLED_DRAFTS_PER_PROMPT for count in on_path],
                         "acceptance": meter.read(outputs)["acceptance_rate"],
                         "drafts_had_probabilities": take_draft_probs() is not None}
@@ -4120,10 +4120,10 @@ def _token_ranks():
     columns[0] = 5
     values = scores.gather(-1, columns)
     result = {"compiled": logprobs.batched_count_greater_than(scores, values),
-              "eager": rollout.count_at_least(scores, values), "before": sampler.batched_count_greater_than}
+              "eager": rollout.count_at_least(scores, values),
+              "before_was_compiled": sampler.batched_count_greater_than is logprobs.batched_count_greater_than}
     result.update(patched=rollout.eager_token_ranks(), patched_again=rollout.eager_token_ranks(),
-                  sampler_counts_eagerly=sampler.batched_count_greater_than is rollout.count_at_least,
-                  before_was_compiled=result.pop("before") is logprobs.batched_count_greater_than)
+                  sampler_counts_eagerly=sampler.batched_count_greater_than is rollout.count_at_least)
     return result
 
 
