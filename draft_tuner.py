@@ -15,15 +15,19 @@ next), while a few real rollouts taking turns over k measure each to a few perce
         ...roll out: the plain engine (schedule None), else the drafting one at schedule[band]
            in each band of batch sizes, counting each band's tokens and seconds...
         tuner.after_rollout(schedule, {band: (tokens, seconds)}, acceptance)
+        ...train...; tuner.observe_estimate(the step's estimate of A_1, or None)
 
 A_i = P(the first i drafts of a verify step are accepted) moves with the policy and its
 MTP head every step: it is read from the engine's acceptance counts after each drafting
-rollout and, while nothing drafts, from a small check at the deepest k every few steps
-(`check`, the caller's: it rolls a few prompts out at the deepest k and returns their
-statistics). A draft the policy leaves behind stops being used at the next rollout, and
-once A_i moved far the k are tried again. Where two k run within a few percent of each
-other, two runs of one seed can choose differently; the tuner's state is plain data for
-checkpoints, so a resumed run continues with it.
+rollout and, while nothing drafts, followed by the trainer's estimate of A_1
+(`observe_estimate`: with the head trained on the policy's distribution, the mean of
+sum_v min(p, q) over the step's tokens, which the MTP loss computes anyway); without
+one, from a small check at the deepest k every few steps (`check`, the caller's: it rolls
+a few prompts out at the deepest k and returns their statistics). A draft the policy
+leaves behind stops being used at the next rollout, and once A_i moved far the k are
+tried again. Where two k run within a few percent of each other, two runs of one seed can
+choose differently; the tuner's state is plain data for checkpoints, so a resumed run
+continues with it.
 
 Statistics are the dicts spec_config.SpecDecodeMeter.read returns (num_drafts,
 num_draft_tokens, accepted_per_position, ...). Imports the standard library only.
@@ -107,6 +111,9 @@ class DraftTuner:
         self.realized = {}  # variant -> [each band's tries' tokens/s]
         self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
         self.tried_acceptance = None  # [A_1, ..., A_max] when the tries ended; None: no tries to choose from
+        self.measured = None  # [A_1, ..., A_max] as the engine last measured them
+        self.paired_estimate = None  # the trainer's estimate of A_1 for the weights `measured` is of
+        self.awaiting_pair = False  # whether the next estimate is of the weights just measured
 
     def tokens_per_step(self, draft_tokens, acceptance=None):
         """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
@@ -121,6 +128,25 @@ class DraftTuner:
         self.acceptance[:len(measured)] = measured
         for depth in range(len(measured), self.max_tokens):
             self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
+        self.measured, self.awaiting_pair = list(self.acceptance), True
+
+    def observe_estimate(self, depth1):
+        """Take the trainer's estimate of A_1 after the step's training (None: it has none),
+        of the weights the step rolled out with. The first after an engine measurement is of
+        the same weights: it pairs with it. Later ones move the measured A_i by (estimate /
+        paired estimate)^i (each depth's conditional acceptance moved as A_1 did), capped at
+        1 and at the depth before: the engine's and the trainer's means weigh positions
+        differently, their ratio follows the head."""
+        if depth1 is None or self.measured is None:
+            return
+        if self.awaiting_pair:
+            self.paired_estimate, self.awaiting_pair = depth1, False
+            return
+        if not self.paired_estimate:
+            return
+        ratio, before = depth1 / self.paired_estimate, 1.0
+        for depth, measured in enumerate(self.measured):
+            before = self.acceptance[depth] = min(before, measured * ratio ** (depth + 1))
 
     def try_each(self):
         """Line up the tries of PLAIN, k = 0 and every k that could pay at the current
@@ -208,15 +234,16 @@ class DraftTuner:
         engine, else a k per band; the check's statistics or None).
 
         Outside the tries: while the last rollout did not draft (`drafting` False), at a
-        run's first plan and every `check_every` steps `check()` measures the acceptance at
-        the deepest k; at the first plan, every `tune_every` steps and once the acceptance
-        moved far, the next rollouts try each variant in turn. `exploring()` after it says
-        whether this rollout is a try (`after_rollout` then needs its band counts).
+        run's first plan and, without the trainer's estimates, every `check_every` steps
+        `check()` measures the acceptance at the deepest k; at the first plan, every
+        `tune_every` steps and once the acceptance moved far, the next rollouts try each
+        variant in turn. `exploring()` after it says whether this rollout is a try
+        (`after_rollout` then needs its band counts).
         """
         checked = None
         first = self.tried_tokens_per_step is None
         if not self.exploring():
-            if not drafting and (first or (step - 1) % check_every == 0):
+            if not drafting and (first or (self.paired_estimate is None and (step - 1) % check_every == 0)):
                 checked = check()
                 self.observe(checked)
             if first or (step - 1) % tune_every == 0 or self.is_stale():
@@ -239,11 +266,15 @@ class DraftTuner:
         for name in ("max_tokens", "num_bands"):
             if state.get(name) != getattr(self, name):
                 raise ValueError(f"a tuner state for {name} {state.get(name)}, this tuner has {getattr(self, name)}")
+        missing = [name for name in self._STATE if name not in state]
+        if missing:
+            raise ValueError(f"a tuner state without {missing}")
         for name in self._STATE:
             setattr(self, name, state[name])
 
     _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
-              "schedule", "realized", "band_tokens", "tried_acceptance")
+              "schedule", "realized", "band_tokens", "tried_acceptance", "measured", "paired_estimate",
+              "awaiting_pair")
 
 
 def _fill_unseen(schedule, seen):

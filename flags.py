@@ -320,8 +320,9 @@ def add_mtp_flags(p):
                    help="auto: every N steps (and at the first) the rollouts try each k that could pay again, in "
                         "turns, on the current weights")
     p.add_argument("--acceptance-check-every", type=POSITIVE_INT, default=5,
-                   help="auto, while no rollout drafts: every N steps measure the draft's acceptance at every depth "
-                        f"on {draft_tuner.ACCEPTANCE_CHECK_PROMPTS} of the step's prompts per engine")
+                   help="auto, while no rollout drafts and the trainer estimates no acceptance (--mtp-target sampled): "
+                        "every N steps measure the draft's acceptance at every depth on "
+                        f"{draft_tuner.ACCEPTANCE_CHECK_PROMPTS} of the step's prompts per engine")
     p.add_argument("--check-draft-every", type=COUNT, default=ROLLOUT.check_draft_every,
                    help="every N weight pushes, check that vLLM's MTP draft holds exactly Megatron's MTP weights and "
                         "stop naming the tensor when not (0: never)")

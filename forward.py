@@ -60,6 +60,10 @@ class ForwardOutput:
     mtp_loss: fp32 scalar tensor (detached), this rank's MTP loss summed over MTP depths
       (summed over CP ranks: the batch's), from `model.mtp_losses` which mtp_patch.py sets;
       None when MTP training is off or the model is not patched.
+    mtp_acceptance: fp32 scalar tensor (detached) or None: with policy targets
+      (`mtp_target="policy"`), this rank's share of the first MTP layer's mean sum_v
+      min(p(v), q(v)) (summed over CP ranks: the batch's), the chance a draft sampled from
+      the head is accepted (`model.mtp_acceptance`); None otherwise.
     batch: the `ThdBatch` (or `SharedPrefixBatch`) the model ran on (use `batch.pack` for
       advantages, old log-probs).
     routing_agreement [T_local] fp32 or None: with `routed_experts` and no replay, 1 where
@@ -73,6 +77,7 @@ class ForwardOutput:
     mtp_loss: Optional[torch.Tensor]
     batch: ThdBatch
     routing_agreement: Optional[torch.Tensor] = None
+    mtp_acceptance: Optional[torch.Tensor] = None
 
 
 def next_token_labels(input_ids, seqlens):
@@ -172,13 +177,15 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
 
     mtp_losses = getattr(model, "mtp_losses", None) if mtp_train else None
     mtp_loss = mtp_losses.sum() if mtp_losses is not None else None
+    mtp_acceptance = getattr(model, "mtp_acceptance", None) if mtp_train else None
 
     if gather:
         logprobs = batch.unpack(logprobs, cp_group=cp_group)
         entropy = batch.unpack(entropy, cp_group=cp_group) if entropy is not None else None
         local_mask = loss_mask
     return ForwardOutput(logprobs=logprobs, entropy=entropy, loss_mask=local_mask, mtp_loss=mtp_loss, batch=batch,
-                         routing_agreement=routing.get("agreement"))
+                         routing_agreement=routing.get("agreement"),
+                         mtp_acceptance=None if mtp_acceptance is None else mtp_acceptance[0])
 
 
 def forward_stage(model, input_ids, seqlens, *, mtp_train=False, pad_id=0, pad_multiple=1):

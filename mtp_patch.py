@@ -37,6 +37,9 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    position i learns the policy's detached distribution softmax(z[i + d] / T) (z the main
    logits, rolled like the labels or read at `policy_rows`) by a vocab-parallel soft cross
    entropy under the sampled loss's weights and normalisation; one more output-layer pass.
+   `model.mtp_acceptance` then holds per depth the mean of sum_v min(p(v), q(v)) over its
+   tokens (p the policy's distribution, q the head's, at T): the chance that a draft sampled
+   from the head is accepted (vLLM's "probabilistic" drafts); None with sampled targets.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
@@ -106,7 +109,6 @@ def patch_megatron_mtp(*, decouple=True):
     Returns 0 and changes nothing when the patches are already in place with the same
     options. All or nothing: a release that lacks a piece the patches need raises
     RuntimeError naming the release and the piece, before anything is replaced.
-    Tensors are untouched by patching; see the module docstring for what a forward does.
     """
     if not isinstance(decouple, bool):
         raise TypeError(f"decouple must be True or False, got {decouple!r}")
@@ -147,8 +149,8 @@ def unpatch_megatron_mtp():
     """Restore every function `patch_megatron_mtp` replaced (the same objects); returns how many."""
     try:
         _, targets = _import_megatron()
-    except RuntimeError:
-        return 0  # megatron-core gone or incomplete: nothing of ours can be in place
+    except RuntimeError:  # megatron-core gone or incomplete: nothing of ours can be in place
+        return 0
     restored = 0
     for owner, name in targets:
         current = vars(owner).get(name)
@@ -243,8 +245,8 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
         if (kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None
                 or kwargs.get("is_spec_decode") or (inference_mode is not None and inference_mode.is_active())):
             return original(self, hidden_states, input_ids, position_ids, labels, **kwargs)
-        # This forward's per-depth MTP losses (detached), for logging: None until computed.
-        self.mtp_losses = None
+        # This forward's per-depth MTP losses and acceptances (detached), for logging: None until computed.
+        self.mtp_losses = self.mtp_acceptance = None
         mtp_in_postprocess = kwargs.get("mtp_in_postprocess")
         output_weight = None
         if self.share_embeddings_and_output_weights:
@@ -266,7 +268,7 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
             mtp_weight = output_weight
             if decouple:
                 mtp_weight = (output_weight if output_weight is not None else self.output_layer.weight).detach()
-            hidden_states, self.mtp_losses = process_mtp_loss(
+            hidden_states, self.mtp_losses, self.mtp_acceptance = process_mtp_loss(
                 hidden_states=hidden_states, labels=labels, loss_mask=kwargs.get("loss_mask"),
                 output_layer=self.output_layer, output_weight=mtp_weight,
                 runtime_gather_output=kwargs.get("runtime_gather_output"), is_training=self.training,
@@ -300,8 +302,7 @@ def _run_mtp_layers(model, hidden_states, input_ids, position_ids, kwargs, block
         rotary_pos_emb=kwargs.get("rotary_pos_emb"), rotary_pos_cos=kwargs.get("rotary_pos_cos"),
         rotary_pos_sin=kwargs.get("rotary_pos_sin"), packed_seq_params=kwargs.get("packed_seq_params"),
         sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=embedding, **block_kwargs)
-    # The block returns [its input; depth 1; ...; depth n]; put the trunk's own hidden
-    # states (with their graph) back in front.
+    # [its input; depth 1; ...; depth n]: the trunk's own hidden states (with their graph) go back in front.
     if decouple:
         mtp_output = torch.cat([hidden_states, mtp_output[hidden_states.shape[0]:]])
     return mtp_output
@@ -359,7 +360,8 @@ def _make_process_mtp_loss(megatron, packed_roll):
                          is_training, compute_language_model_loss, config, cp_group, packed_seq_params,
                          scale_logits):
         """hidden_states [(1 + n) s, b, h] -> ([s, b, h] carrying the MTP loss to backward,
-        [n] fp32 detached per-depth losses of this rank: summed over CP ranks, the means)."""
+        [n] fp32 detached per-depth losses of this rank: summed over CP ranks, the means;
+        [n] the same of the draft acceptance with policy targets (item 9 above), else None)."""
         num_layers = config.mtp_num_layers
         hidden_states_list = torch.chunk(hidden_states, 1 + num_layers, dim=0)
         hidden_states = hidden_states_list[0]
@@ -368,8 +370,7 @@ def _make_process_mtp_loss(megatron, packed_roll):
             roll_kwargs["packed_seq_params"] = packed_seq_params
         depth_targets, counts = _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers,
                                                roll_kwargs)
-        # All depths' token counts (and the unrolled one) cross the CP group in one
-        # all-reduce: one synchronisation of the ranks per forward, not one per depth.
+        # All depths' token counts (and the unrolled one) in one all-reduce over the CP group.
         original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
         scale = config.mtp_loss_scaling_factor / num_layers
         losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
@@ -378,8 +379,10 @@ def _make_process_mtp_loss(megatron, packed_roll):
             logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
             return logits if scale_logits is None else scale_logits(logits)
 
-        depth_loss = _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets, roll_tensor,
-                                          roll_kwargs, compute_language_model_loss, parallel_state)
+        depth_loss, overlaps = _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets,
+                                                    roll_tensor, roll_kwargs, compute_language_model_loss,
+                                                    parallel_state)
+        acceptance = None if overlaps is None else torch.zeros_like(losses)
         for depth in range(num_layers):
             mtp_logits = logits_of(hidden_states_list[depth + 1])
             num_tokens = depth_num_tokens[depth].clamp(min=1)
@@ -388,6 +391,8 @@ def _make_process_mtp_loss(megatron, packed_roll):
                 mtp_logits = mtp_logits.index_select(0, rows)
             mtp_loss = weights * depth_loss(depth_labels, mtp_logits)
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
+            if overlaps is not None:
+                acceptance[depth] = torch.sum(weights * overlaps.pop()) / num_tokens
             # 0.19 replaced this logger with one that also wants acceptance counts.
             if is_training and logs_to_tracker:
                 logging_helper.save_loss_to_tracker(
@@ -398,20 +403,20 @@ def _make_process_mtp_loss(megatron, packed_roll):
             else:
                 mtp_loss = scale * mtp_loss / num_tokens
             hidden_states = autoscaler.apply(hidden_states, mtp_loss)
-        return hidden_states, losses
+        return hidden_states, losses, acceptance
 
     return process_mtp_loss
 
 
 def _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
                          compute_language_model_loss, parallel_state):
-    """Each depth's per-token loss in turn, (labels, MTP logits) -> [b, s] ([1, E] with
-    explicit targets) fp32: megatron's cross entropy on the labels, or with
-    MTP_POLICY_TEMPERATURE_ATTRIBUTE the soft one against the policy's distribution.
-    logits_of: hidden states [s, b, h] -> logits [s, b, V/tp]; hidden_states: the trunk's."""
+    """(each depth's per-token loss in turn, (labels, MTP logits) -> [b, s] ([1, E] with
+    explicit targets) fp32: megatron's cross entropy, or with MTP_POLICY_TEMPERATURE_ATTRIBUTE
+    the soft one against the policy's distribution; with the latter a list each call appends
+    its tokens' sum_v min(p, q) to, else None). logits_of: [s, b, h] -> [s, b, V/tp]."""
     temperature = getattr(packed_seq_params, MTP_POLICY_TEMPERATURE_ATTRIBUTE, None)
     if temperature is None:
-        return compute_language_model_loss
+        return compute_language_model_loss, None
     if not temperature > 0:
         raise ValueError(f"packed_seq_params.{MTP_POLICY_TEMPERATURE_ATTRIBUTE} = {temperature!r}; expected > 0")
     # The policy's distribution is a target, not something the MTP loss may move.
@@ -419,12 +424,15 @@ def _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targ
         policy_logits = logits_of(hidden_states).float() / temperature
     targets = _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs)
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    overlaps = []
 
     def soft_cross_entropy(labels, mtp_logits):
-        loss = _VocabParallelSoftCrossEntropy.apply(mtp_logits.float() / temperature, next(targets), tp_group)
+        loss, overlap = _VocabParallelSoftCrossEntropy.apply(mtp_logits.float() / temperature, next(targets),
+                                                             tp_group)
+        overlaps.append(overlap.transpose(0, 1))
         return loss.transpose(0, 1)  # [s, b] -> [b, s], as megatron's cross entropy returns it
 
-    return soft_cross_entropy
+    return soft_cross_entropy, overlaps
 
 
 def _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs):
@@ -445,7 +453,8 @@ class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
     """-sum_v p(v) log q(v) per token, p = softmax(target logits), q = softmax(logits), the
     vocabulary split over the TP group (megatron's vocab_parallel_cross_entropy takes hard
     labels only). logits [..., V/tp] fp32, target_logits [..., V/tp] fp32 (no gradient) ->
-    [...] fp32, the same on every TP rank; d/dlogits = q - p, local to each rank.
+    ([...] fp32, the same on every TP rank; d/dlogits = q - p, local to each rank;
+    [...] fp32 sum_v min(p(v), q(v)), no gradient).
     """
 
     @staticmethod
@@ -453,11 +462,14 @@ class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
         log_q = _vocab_parallel_log_softmax(logits, group)
         p = _vocab_parallel_log_softmax(target_logits, group).exp_()
         loss = _all_reduced(-(p * log_q).sum(dim=-1), group)
-        ctx.save_for_backward(log_q.exp_().sub_(p))
-        return loss
+        q = log_q.exp_()
+        overlap = _all_reduced(torch.minimum(p, q).sum(dim=-1), group)
+        ctx.save_for_backward(q.sub_(p))
+        ctx.mark_non_differentiable(overlap)
+        return loss, overlap
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_overlap):
         q_minus_p, = ctx.saved_tensors
         return grad_loss.unsqueeze(-1) * q_minus_p, None, None
 
@@ -473,14 +485,10 @@ def _vocab_parallel_log_softmax(logits, group):
 def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers, roll_kwargs):
     """What each MTP depth predicts: ([(rows, labels, weights, policy_rows) per depth],
     [unrolled token count, then each depth's]) on this rank; a depth's loss is weights *
-    CE(labels, its logits, at `rows` unless None), its policy target (item 9 above) the main
-    logits at `policy_rows`, or rolled like the labels where None.
-
-    labels, loss_mask (None: all ones): [b, s]. Without explicit targets depth k predicts the
-    labels rolled k times, weighted by the mask rolled k times (rows and policy_rows None,
-    [b, s] each); with them (MTP_TARGETS_ATTRIBUTE, item 8 above) depth k's rows [E] predict
-    its labels [1, E] with its weights [1, E], and its policy_rows [E] give the policy target.
-    """
+    CE(labels, its logits at `rows`), its policy target the main logits at `policy_rows`.
+    labels, loss_mask (None: all ones): [b, s]. Without explicit targets depth k's labels
+    and weights are the labels and mask rolled k times (rows, policy_rows None: rolled too);
+    with them (item 8 above) rows [E], labels [1, E], weights [1, E], policy_rows [E]."""
     if loss_mask is None:
         loss_mask = torch.ones_like(labels)
     targets = getattr(packed_seq_params, MTP_TARGETS_ATTRIBUTE, None)
@@ -495,8 +503,8 @@ def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers
 
 
 def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
-    """Depth k predicts the labels rolled k times, under the mask rolled k times: ([(None,
-    labels, mask, None) per depth], [unrolled token count, then each depth's]) on this rank."""
+    """([(None, labels, mask, None) per depth k, each rolled k times], [unrolled token count,
+    then each depth's]) on this rank."""
     depth_targets, counts = [], [loss_mask.sum()]
     for _ in range(num_layers):
         labels, _ = roll_tensor(labels, **roll_kwargs)
@@ -522,10 +530,9 @@ def _all_reduced(tensor, group, op="SUM"):
 def _make_checkpointed_forward(original, megatron, probes):
     """`MultiTokenPredictionLayer._checkpointed_forward` that checkpoints tensors only.
 
-    `tensor_parallel.checkpoint` saves its arguments with `save_for_backward`, which takes
-    tensors and None only: 0.14 - 0.17 pass every argument through it (packed-sequence
-    parameters fail), 0.18 does not accept the `padding_mask` its own forward passes.
-    Quantized (fp8/fp4) recompute goes through Transformer Engine in the release's own code.
+    `tensor_parallel.checkpoint` saves its arguments with `save_for_backward` (tensors and
+    None only): 0.14 - 0.17 pass every argument (packed-sequence parameters fail), 0.18 not
+    the `padding_mask` its own forward passes. fp8/fp4 recompute goes to the release's own.
     """
     checkpoint = megatron["checkpoint"]
     function_first = probes["checkpoint_function_first"]
@@ -557,22 +564,18 @@ def _make_checkpointed_forward(original, megatron, probes):
     return _checkpointed_forward
 
 
-# ---------------------------------------------------------------------------------------
-# The packed MTP roll, vectorised
-# ---------------------------------------------------------------------------------------
+# The packed MTP roll, vectorised.
 
 def _make_roll_tensor(original):
     """megatron-core's `roll_tensor` (0.16+) with the packed path replaced by `roll_packed`.
 
-    megatron-core 0.16 - 0.19's packed roll (`_roll_tensor_packed_seq`) loops over the
-    sequences in Python and, under CP, exchanges each sequence's chunk boundaries with one
-    isend/irecv pair per sequence: four rolls per MTP depth (ids and positions in
-    `_get_embeddings`, labels and loss mask in the loss), each 128 waits per rank on a
-    batch of 64 sequences at CP 2. `roll_packed` gives the same values with one all-gather.
-    Everything else goes to `original` as it came: padded batches (no packed_seq_params),
-    None (0.19 returns (None, None)), another shift or dimension (megatron asserts), and
-    a tensor that requires grad, which no megatron caller passes (they roll ids, positions,
-    labels and masks): the all-gather would cut its gradient.
+    megatron-core 0.16 - 0.19's packed roll loops over the sequences in Python and, under CP,
+    exchanges each sequence's chunk boundaries with an isend/irecv pair: four rolls per MTP
+    depth, each 128 waits per rank for 64 sequences at CP 2. `roll_packed` gives the same
+    values with one all-gather. Everything else goes to `original` as it came: padded
+    batches, None (0.19 returns (None, None)), another shift or dimension (megatron
+    asserts), and a tensor that requires grad (the all-gather would cut its gradient; no
+    megatron caller passes one).
     """
     def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
         """tensor [..., s] -> (rolled [..., s] in tensor's dtype, rolled.sum())."""
@@ -600,10 +603,9 @@ def roll_packed(tensor, packed_seq_params, cp_group=None):
       padded boundaries of the whole batch (global: divided by cp, the local ones), each a
       multiple of 2*cp at CP > 1. Slots past the last boundary keep their value.
     cp_group: the context-parallel process group; None means CP 1.
-    Returns [..., T_local] in tensor's dtype, equal to megatron-core's `_roll_tensor_packed_seq`.
-    Under CP it all-gathers `tensor` over cp_group (one collective). The index map is computed
-    once per batch and layout and kept on `packed_seq_params`, so the rolls of one forward
-    share it.
+    Returns [..., T_local] in tensor's dtype, equal to megatron-core's `_roll_tensor_packed_seq`,
+    after one all-gather under CP. The index map is kept on `packed_seq_params` for the
+    forward's other rolls.
     """
     if tensor.requires_grad:
         raise ValueError(f"roll_packed got a {tensor.dtype} tensor of shape {tuple(tensor.shape)} that requires "
@@ -678,8 +680,8 @@ def _checked_boundaries(cu_seqlens, cp_size, local_tokens):
     """cu_seqlens as int64, after checking it fits the layout (one device-to-host sync)."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or len(cu_seqlens) == 0 or (
             cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool):
-        described = f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if torch.is_tensor(cu_seqlens) \
-            else type(cu_seqlens).__name__
+        described = (f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if torch.is_tensor(cu_seqlens)
+                     else type(cu_seqlens).__name__)
         raise ValueError(f"packed_seq_params.cu_seqlens_q must be a 1-D integer tensor [B + 1], got {described}")
     cu_seqlens = cu_seqlens.long()
     multiple = CHUNKS_PER_RANK * cp_size if cp_size > 1 else 1

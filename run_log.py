@@ -179,6 +179,9 @@ def open_wandb(out, project, config, start_step):
 def step_line(record, steps, eta_seconds):
     """The console line of one step: reward, drafting, losses, clip, eval, time and ETA."""
     accept = f"{record['acceptance_rate']:.2f}" if record["acceptance_rate"] is not None else "-"
+    if record.get("mtp_acceptance") is not None:
+        # The trainer's estimate of a sampled draft's acceptance at depth 1, drafting or not.
+        accept += f" est {record['mtp_acceptance']:.2f}"
     evaluated = (f"eval acc {record['eval_accuracy']:.2f} reward {record['eval_reward_mean']:.3f} "
                  if "eval_accuracy" in record else "")
     return (f"step {record['step']}/{steps} reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} "

@@ -1069,7 +1069,8 @@ def _mtp_policy_forward_backward(model, batch, mtp_target="policy", prefix_group
         hook.remove()
     expected = _mtp_policy_loss_by_hand(model, out, batch, captured[-1]) if by_hand else None
     (out.logprobs * 0).sum().backward()
-    return {"mtp_losses": model.mtp_losses.clone(), "by_hand": expected,
+    return {"mtp_losses": model.mtp_losses.clone(), "by_hand": expected, "forward_acceptance": out.mtp_acceptance,
+            "mtp_acceptance": None if model.mtp_acceptance is None else model.mtp_acceptance.clone(),
             "grads": {name: None if param.grad is None else param.grad.clone()
                       for name, param in model.named_parameters()}}
 
@@ -1079,7 +1080,8 @@ def _mtp_policy_loss_by_hand(model, out, batch, block_output):
     ...; depth n] ([(1 + n) T, 1, h], one sequence after another): depth d's loss is, over
     each sequence's tokens i that have a token i + d + 1, sum(mask[i + d] * -sum_v p(v) log
     q(v)) / max(1, sum(mask[i + d])), with p = softmax(main logits[i + d] / T) and q =
-    softmax(depth-d logits[i] / T). Returns {"losses": [n], "grads": the MTP layers' gradient
+    softmax(depth-d logits[i] / T); its draft acceptance the same mean of sum_v min(p(v),
+    q(v)). Returns {"losses": [n], "acceptance": [n], "grads": the MTP layers' gradient
     of scale / n x their sum (megatron's weighting), "logprob_error": how far the main
     logits by hand give the forward's log-probs, relative to the largest}."""
     input_ids, seqlens, loss_mask, _ = batch
@@ -1092,23 +1094,25 @@ def _mtp_policy_loss_by_hand(model, out, batch, block_output):
     mask[ends - 1] = 0  # the last token of a sequence predicts nothing
     labels = torch.roll(input_ids, -1)
     logprobs = torch.log_softmax(main, -1).gather(1, labels[:, None])[:, 0] * mask
-    losses = []
+    losses, acceptance = [], []
     for depth in range(1, depths + 1):
         head = F.linear(hidden[depth], weight) / MTP_POLICY_TEMPERATURE
-        total, count = torch.zeros(()), torch.zeros(())
+        total, overlap, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
         for start, end in zip((ends - seqlens).tolist(), ends.tolist()):
             policy = torch.softmax(main[start + depth:end - 1], -1)
             log_head = torch.log_softmax(head[start:max(start, end - depth - 1)], -1)
             weights = mask[start + depth:end - 1]
             total = total + (weights * -(policy * log_head).sum(-1)).sum()
+            overlap = overlap + (weights * torch.minimum(policy, log_head.exp()).sum(-1)).sum()
             count = count + weights.sum()
         losses.append(total / count.clamp(min=1))
+        acceptance.append(overlap.detach() / count.clamp(min=1))
     losses = torch.stack(losses)
     names, params = zip(*[(name, param) for name, param in model.named_parameters() if name.startswith("mtp.")])
     scaled = model.config.mtp_loss_scaling_factor / depths * losses.sum()
     grads = torch.autograd.grad(scaled, params, retain_graph=True, allow_unused=True)
     logprob_error = (out.batch.unpack(out.logprobs.detach()) - logprobs.detach()).abs().max()
-    return {"losses": losses.detach(), "grads": dict(zip(names, grads)),
+    return {"losses": losses.detach(), "acceptance": torch.stack(acceptance), "grads": dict(zip(names, grads)),
             "logprob_error": float(logprob_error / logprobs.abs().max())}
 
 
@@ -1217,6 +1221,13 @@ def test_mtp_patch_policy_target_loss_equals_a_soft_cross_entropy_by_hand(mtp_po
     assert all(grad.abs().sum() > 0 for grad in by_hand["grads"].values() if grad is not None)
     # Not the sampled tokens' loss under another name.
     assert (packed["mtp_losses"] - mtp_policy_results["sampled"]["mtp_losses"]).abs().min() > 1e-3
+    # The draft acceptance the trainer estimates, per depth; forward_logprobs reports depth 1's.
+    print(f"draft acceptance {packed['mtp_acceptance'].tolist()}, by hand {by_hand['acceptance'].tolist()}")
+    torch.testing.assert_close(packed["mtp_acceptance"], by_hand["acceptance"], rtol=0, atol=1e-6)
+    assert ((0.005 < by_hand["acceptance"]) & (by_hand["acceptance"] < 0.95)).all()  # neither 0 nor 1
+    assert packed["forward_acceptance"] == packed["mtp_acceptance"][0]
+    assert mtp_policy_results["sampled"]["mtp_acceptance"] is None
+    assert mtp_policy_results["sampled"]["forward_acceptance"] is None
 
 
 def test_mtp_patch_policy_target_trains_only_mtp_layers(mtp_policy_results):
@@ -1236,6 +1247,10 @@ def test_mtp_patch_policy_target_one_roll_short_is_caught(mtp_policy_results):
     difference = (broken - mtp_policy_results["packed"]["by_hand"]["losses"]).abs()
     print(f"policy rolled d - 1 times: losses {broken.tolist()}, {difference.tolist()} from the loss by hand")
     assert (difference > 1e-3).all()
+    by_hand = mtp_policy_results["packed"]["by_hand"]["acceptance"]
+    relative = (mtp_policy_results["one roll short"]["mtp_acceptance"] - by_hand).abs() / by_hand
+    print(f"  draft acceptance {relative.tolist()} apart (relative)")
+    assert (relative > 0.02).all()  # the tolerance against the right roll is 1e-6 absolute
 
 
 def test_forward_shared_prefix_policy_mtp_target_equals_the_unshared_layout(mtp_policy_results):
@@ -1252,6 +1267,7 @@ def test_forward_shared_prefix_policy_mtp_target_equals_the_unshared_layout(mtp_
     assert by_hand_error < MTP_POLICY_TOLERANCE
     assert loss_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
     assert sorted(name for name, grad in shared["grads"].items() if grad is not None) == names
+    torch.testing.assert_close(shared["mtp_acceptance"], unshared["by_hand"]["acceptance"], rtol=0, atol=1e-6)
     assert broken_error > 1e-3
 
 
@@ -1634,6 +1650,60 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
     assert tuner.plan(16, check([0.0]), 5, 50, drafting=True)[0] is None
     assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(_acceptance_statistics([0.5, 0.25])) \
         == [0.5, 0.25]
+
+def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_hand():
+    """observe_estimate, as train_grpo calls it after each step's training: the first
+    estimate after an engine measurement pairs with it (the same weights), later ones move
+    A_i by (estimate / paired)^i, capped at 1 and non-increasing; the periodic checks stop
+    while estimates come, and go on without them."""
+    checks = []
+
+    def check():
+        checks.append(len(checks))
+        return _acceptance_statistics([0.8, 0.6, 0.4])
+
+    tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
+    tuner.observe_estimate(0.5)  # nothing measured yet: nothing to move
+    assert tuner.acceptance == [0.0, 0.0, 0.0] and tuner.paired_estimate is None
+    tuner.plan(1, check, check_every=5, tune_every=50, drafting=False)
+    assert checks == [0] and tuner.acceptance == pytest.approx([0.8, 0.6, 0.4])
+    tuner.observe_estimate(0.7)  # step 1's training, of the weights step 1's check measured
+    assert tuner.paired_estimate == 0.7 and tuner.acceptance == pytest.approx([0.8, 0.6, 0.4])
+    tuner.observe_estimate(0.35)
+    assert tuner.acceptance == pytest.approx([0.4, 0.6 / 4, 0.4 / 8])
+    tuner.observe_estimate(0.91)  # x 1.3: 1.04 and 1.014 capped at 1, then 0.4 x 1.3^3
+    assert tuner.acceptance == pytest.approx([1.0, 1.0, 0.4 * 1.3 ** 3])
+    tuner.observe_estimate(None)  # a step without an estimate changes nothing
+    assert tuner.acceptance == pytest.approx([1.0, 1.0, 0.4 * 1.3 ** 3])
+    tuner.observe_estimate(0.7)
+    # The tries (one round: plain, 0, 1, 2, 3), the plain engine fastest: nothing drafts after.
+    for step, variant in zip(range(1, 6), [None, 0, 1, 2, 3]):
+        schedule, checked = tuner.plan(step, check, 5, 50, drafting=False) if step > 1 else (tuner.choose(), None)
+        assert schedule == (None if variant is None else [variant]) and checked is None
+        tuner.after_rollout(schedule, {0: (100, 1.0 if variant is None else 2.0)},
+                            None if variant is None else _acceptance_statistics([0.8, 0.6, 0.4][:variant]))
+        tuner.observe_estimate(0.7)
+    assert not tuner.exploring() and tuner.plan(6, check, 5, 50, drafting=False) == (None, None)
+    assert checks == [0]  # step 6 would have checked without the estimates
+    # A drafting measurement waits for its own pair: the estimate after it moves nothing.
+    tuner.observe(_acceptance_statistics([0.5, 0.3, 0.2]))
+    tuner.observe_estimate(0.6)
+    assert tuner.paired_estimate == 0.6 and tuner.acceptance == pytest.approx([0.5, 0.3, 0.2])
+    restored = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.state_dict() == tuner.state_dict()
+    with pytest.raises(ValueError, match="without \\['measured', 'paired_estimate', 'awaiting_pair'\\]"):
+        restored.load_state_dict({name: value for name, value in tuner.state_dict().items()
+                                  if name not in ("measured", "paired_estimate", "awaiting_pair")})
+    # Without estimates (sampled-token MTP targets) the checks go on every check_every steps.
+    unestimated = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
+    unestimated.plan(1, check, 5, 50, drafting=False)
+    for step in range(2, 7):
+        schedule = unestimated.choose()
+        unestimated.after_rollout(schedule, {0: (100, 1.0 if schedule is None else 2.0)}, None)
+        unestimated.plan(step, check, 5, 50, drafting=False)
+    assert checks == [0, 1, 2]
+
 
 def test_spec_config_fix_cpu_draft_sampling_samples_drafted_tokens_at_the_right_temperature(tiny_checkpoint):
     result, = run_in_processes(_drafted_sampling, args=(tiny_checkpoint,), env=VLLM_ENV)
@@ -3478,10 +3548,13 @@ def _run_forward(checkpoint, full_state, *, tp=1, cp=1, mtp=True, attention="thd
                 dim = next(d for d in range(grad.dim()) if grad.shape[d] != full_state[name].shape[d])
                 grad = torch.cat(pieces, dim=dim)
         grads[name] = grad
-    mtp_loss = None
+    mtp_loss = mtp_acceptance = None
     if out.mtp_loss is not None:
         mtp_loss = out.mtp_loss.clone()
         torch.distributed.all_reduce(mtp_loss, group=cp_group)
+    if out.mtp_acceptance is not None:
+        mtp_acceptance = out.mtp_acceptance.clone()
+        torch.distributed.all_reduce(mtp_acceptance, group=cp_group)
     gathered_positions = None
     if mtp:
         gathered_positions = out.batch.unpack(embedding_position_ids[-1][0], cp_group=cp_group)
@@ -3490,6 +3563,7 @@ def _run_forward(checkpoint, full_state, *, tp=1, cp=1, mtp=True, attention="thd
         "logprobs": out.batch.unpack(out.logprobs.detach(), cp_group=cp_group),
         "entropy": out.batch.unpack(out.entropy.detach(), cp_group=cp_group),
         "mtp_loss": mtp_loss,
+        "mtp_acceptance": mtp_acceptance,
         "grads": grads,
         "mtp_position_ids": gathered_positions,
         "loss_mask": out.batch.unpack(out.loss_mask, cp_group=cp_group),
@@ -3590,6 +3664,13 @@ def test_forward_policy_mtp_target_under_tensor_or_context_parallel_equals_unsha
         _assert_forward_equal(reference, sharded)
         assert torch.isfinite(reference["mtp_loss"])
         assert reference["grads"]["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
+        # The draft acceptance the trainer estimates: min(p, q) summed over the vocabulary
+        # shards (TP), the tokens' means summed over the ranks' chunks (CP).
+        print(f"  draft acceptance estimate {float(reference['mtp_acceptance']):.6f}, "
+              f"{float((sharded['mtp_acceptance'] - reference['mtp_acceptance']).abs()):.1e} apart")
+        assert 0.005 < reference["mtp_acceptance"] < 0.95
+        torch.testing.assert_close(sharded["mtp_acceptance"], reference["mtp_acceptance"], rtol=0,
+                                   atol=FORWARD_TOLERANCE)
 
 
 # The shared-prefix layout: GRPO groups, each prompt run once
@@ -5521,8 +5602,14 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
         assert record["draft_tokens"] == 0 and record["acceptance_rate"] is None and "tried_band_speeds" in record
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
-    assert tuner["max_tokens"] == 3 and tuner["acceptance"] == pytest.approx(first["check_acceptance_by_depth"])
+    assert tuner["max_tokens"] == 3 and tuner["measured"] == pytest.approx(first["check_acceptance_by_depth"])
     assert tuner["schedule"] == ([draft_tuner.PLAIN, 0, 1, 2, 3] * draft_tuner.TRY_ROUNDS)[2:]
+    # The trainer's estimates: step 1's pairs with step 1's check (the same weights), step
+    # 2's moves the checked acceptance by its ratio (no check at step 2, none due until 6).
+    assert 0.5 < first["mtp_acceptance"] < 1 and 0.5 < second["mtp_acceptance"] < 1
+    assert tuner["paired_estimate"] == first["mtp_acceptance"] and not tuner["awaiting_pair"]
+    assert tuner["acceptance"][0] == pytest.approx(
+        min(1.0, tuner["measured"][0] * second["mtp_acceptance"] / first["mtp_acceptance"]))
 
 
 def _write_draft_friendly_checkpoint(checkpoint, out_dir):

@@ -418,9 +418,9 @@ def load_state(directory, policy, engines, rank, lr):
     for group in policy.optimizer.param_groups:
         group["lr"] = lr
     tuner = state.get("draft_tuner")
-    # A tuner of another depth, or one saved before k was chosen per band, starts afresh.
+    # A tuner of another depth, or one saved by code that kept less state, starts afresh.
     if engines.tuner is not None and tuner is not None and (tuner["max_tokens"], tuner.get("num_bands")) == (
-            engines.tuner.max_tokens, engines.tuner.num_bands):
+            engines.tuner.max_tokens, engines.tuner.num_bands) and set(tuner) >= set(engines.tuner.state_dict()):
         engines.tuner.load_state_dict(tuner)
     return state["step"]
 
@@ -549,7 +549,11 @@ def run_step(run, step):
     if step % s.eval_every == 0 or step == s.steps:
         with timer("eval"):
             eval_metrics = evaluate(run, step)
-    record = run_log.step_record(step, samples, rewards, trainer.reduce_metrics(train_sums, run.device),
+    train_metrics = trainer.reduce_metrics(train_sums, run.device)
+    if engines.tuner is not None:
+        # The trainer's estimate of the draft acceptance: the same on every rank, of the rollout's weights.
+        engines.tuner.observe_estimate(train_metrics["mtp_acceptance"])
+    record = run_log.step_record(step, samples, rewards, train_metrics,
                                  draft_record(engines, acceptance, checked, tried), eval_metrics, timer.seconds)
     record.update(sampling)
     return record

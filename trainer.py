@@ -418,10 +418,13 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums, m
         loss = loss + config.loss.kl_coef * (k3 * local_weights).sum()
         sums["kl_to_reference"] += float((k3 * local_mask).sum())
     sums["total_loss"] += float(loss.detach())
-    if out.mtp_loss is not None:
-        # Per rank as a share of its data-parallel rank's mean (reduce_metrics averages them).
-        sums["mtp_loss"] += (float(out.mtp_loss) / config.micro_batches if mtp_share is None else
-                             float(out.mtp_loss) * mtp_share * parallel_state.get_data_parallel_world_size())
+    # Per rank as a share of its data-parallel rank's mean (reduce_metrics averages them).
+    for name in ("mtp_loss", "mtp_acceptance"):
+        value = getattr(out, name)
+        if value is not None:
+            sums[name] += (float(value) / config.micro_batches if mtp_share is None else
+                           float(value) * mtp_share * parallel_state.get_data_parallel_world_size())
+    sums["mtp_acceptance_parts"] += out.mtp_acceptance is not None
     sums["rollout_masked_fraction"] += float(((1 - kept) * local_mask).sum())
     add_token_metrics(sums, out, old_logprobs, local_rollout, acted, local_mask)
     return loss
@@ -610,10 +613,12 @@ def train(policy, samples, config):
 # context parallel ranks (`reduce_metrics`, each rank holds a share of the tokens).
 TOKEN_MEAN_METRICS = ("clip_fraction", "entropy", "logprob_mismatch_mean", "kl_to_reference", "clip_low_fraction",
                       "clip_high_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl", "rollout_masked_fraction")
-STEP_MEAN_METRICS = ("mtp_loss", "total_loss")
+STEP_MEAN_METRICS = ("mtp_loss", "mtp_acceptance", "total_loss")
 # The share of loss tokens Megatron routes to the rollout's experts (MoE without replay).
 ROUTING_SUMS = ("routing_agreement", "routed_tokens")
-SUMMED_METRICS = TOKEN_MEAN_METRICS + ("tokens",) + STEP_MEAN_METRICS + ROUTING_SUMS
+# Counts: the loss tokens, and the micro-batches whose forward estimated the draft acceptance.
+COUNTS = ("tokens", "mtp_acceptance_parts")
+SUMMED_METRICS = TOKEN_MEAN_METRICS + COUNTS + STEP_MEAN_METRICS + ROUTING_SUMS
 MAXED_METRICS = ("logprob_mismatch_max", "ratio_max")
 MINNED_METRICS = ("ratio_min",)
 # Where a max or min starts before the first token.
@@ -623,7 +628,7 @@ METRIC_START = {"logprob_mismatch_max": 0.0, "ratio_max": -math.inf, "ratio_min"
 def combine_steps(steps):
     """Metric sums of several optimizer steps -> one set: token sums add up, the MTP and
     total losses and grad_norm average over steps, maxima and minima stay extremes."""
-    combined = {name: sum(step[name] for step in steps) for name in TOKEN_MEAN_METRICS + ("tokens",) + ROUTING_SUMS}
+    combined = {name: sum(step[name] for step in steps) for name in TOKEN_MEAN_METRICS + COUNTS + ROUTING_SUMS}
     combined.update({name: sum(step[name] for step in steps) / len(steps)
                      for name in STEP_MEAN_METRICS + ("grad_norm",)})
     combined.update({name: max(step[name] for step in steps) for name in MAXED_METRICS})
@@ -632,7 +637,8 @@ def combine_steps(steps):
 
 
 def reduce_metrics(sums, device):
-    """Per-rank sums by name -> the step's values: token means, the MTP loss averaged over
+    """Per-rank sums by name -> the step's values: token means, the MTP loss and the draft
+    acceptance the trainer estimates (mtp_patch's, the first MTP layer's) averaged over
     data-parallel ranks (each rank's is its share of its data-parallel rank's mean), the
     total loss summed (it is normalised globally), extremes; grad_norm is already global."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -641,6 +647,9 @@ def reduce_metrics(sums, device):
     totals = dict(zip(SUMMED_METRICS, summed))
     metrics = {name: (totals[name] / totals["tokens"].clamp(min=1)).item() for name in TOKEN_MEAN_METRICS}
     metrics["mtp_loss"] = totals["mtp_loss"].item() / parallel_state.get_data_parallel_world_size()
+    # None without the estimate (sampled-token MTP targets, no MTP training).
+    metrics["mtp_acceptance"] = (totals["mtp_acceptance"].item() / parallel_state.get_data_parallel_world_size()
+                                 if totals["mtp_acceptance_parts"] > 0 else None)
     metrics["total_loss"] = totals["total_loss"].item()
     metrics["routing_agreement"] = ((totals["routing_agreement"] / totals["routed_tokens"]).item()
                                     if totals["routed_tokens"] > 0 else None)
