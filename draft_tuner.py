@@ -94,9 +94,9 @@ class DraftTuner:
     tries a band's speed at k follows the tokens its steps emit, so each tried speed is
     scaled by 1 + A_1 + ... + A_k now over then: a draft the policy left behind drops its
     bands to k = 0, and the plain engine once no band drafts. `retry` (a fraction): the
-    tries are stale once the tokens a deepest-k step emits rose this much since they ended
-    (or fell this much while drafting). Its state is plain data (`state_dict`,
-    `load_state_dict`) for checkpoints.
+    tries are stale once the tokens a deepest-k step emits rose this much since they ended;
+    a fall needs no tries, the scaled speeds already draft less. Its state is plain data
+    (`state_dict`, `load_state_dict`) for checkpoints.
     """
 
     def __init__(self, max_tokens, num_bands, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
@@ -112,8 +112,8 @@ class DraftTuner:
         self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
         self.tried_acceptance = None  # [A_1, ..., A_max] when the tries ended; None: no tries to choose from
         self.measured = None  # [A_1, ..., A_max] as the engine last measured them
-        self.paired_estimate = None  # the trainer's estimate of A_1 for the weights `measured` is of
-        self.awaiting_pair = False  # whether the next estimate is of the weights just measured
+        self.drafted = False  # whether the last rollout drafted (its counts then stand)
+        self.estimated = False  # whether the trainer estimates A_1 (then no periodic check)
 
     def tokens_per_step(self, draft_tokens, acceptance=None):
         """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
@@ -128,25 +128,25 @@ class DraftTuner:
         self.acceptance[:len(measured)] = measured
         for depth in range(len(measured), self.max_tokens):
             self.acceptance[depth] = min(self.acceptance[depth], measured[-1])
-        self.measured, self.awaiting_pair = list(self.acceptance), True
+        self.measured = list(self.acceptance)
 
     def observe_estimate(self, depth1):
         """Take the trainer's estimate of A_1 after the step's training (None: it has none),
-        of the weights the step rolled out with. The first after an engine measurement is of
-        the same weights: it pairs with it. Later ones move the measured A_i by (estimate /
-        paired estimate)^i (each depth's conditional acceptance moved as A_1 did), capped at
-        1 and at the depth before: the engine's and the trainer's means weigh positions
-        differently, their ratio follows the head."""
-        if depth1 is None or self.measured is None:
+        of the weights the step rolled out with. Where that rollout drafted, its own counts
+        stand. Where not, A_1 is the estimate and each deeper A_i the one before times the
+        conditional acceptance the engine last measured there (A_i / A_i-1, at most 1): one
+        odd measurement lasts until the next rollout. The estimate weighs every response
+        token alike; the engine counts the positions its verify steps reach."""
+        if depth1 is None:
             return
-        if self.awaiting_pair:
-            self.paired_estimate, self.awaiting_pair = depth1, False
+        self.estimated = True
+        if self.drafted or self.measured is None:
             return
-        if not self.paired_estimate:
-            return
-        ratio, before = depth1 / self.paired_estimate, 1.0
-        for depth, measured in enumerate(self.measured):
-            before = self.acceptance[depth] = min(before, measured * ratio ** (depth + 1))
+        self.acceptance[0] = depth1
+        for depth in range(1, self.max_tokens):
+            before = self.measured[depth - 1]
+            conditional = min(1.0, self.measured[depth] / before) if before > 0 else 0.0
+            self.acceptance[depth] = self.acceptance[depth - 1] * conditional
 
     def try_each(self):
         """Line up the tries of PLAIN, k = 0 and every k that could pay at the current
@@ -165,15 +165,13 @@ class DraftTuner:
         return bool(self.schedule)
 
     def is_stale(self):
-        """Whether the acceptance moved so far since the tries began that their choice may
-        no longer hold: up by more than `retry` (a k that lost may win now), or down by more
-        while the tries chose to draft (fewer drafts may be best now). Down while nothing drafts is
-        not: a k that lost at the tries' acceptance loses at a lower one."""
+        """Whether the acceptance rose so far (by more than `retry`) since the tries ended
+        that a k that lost then may win now. A fall is not: each band's tried speeds,
+        scaled to today's acceptance, already choose fewer drafts or none (`choose`), and a
+        dip of one rollout would otherwise cost a round of tries."""
         if self.tried_tokens_per_step is None:
             return False
-        moved = self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1
-        drafted = self.tried_acceptance is not None and self._fastest_schedule(self.tried_acceptance) is not None
-        return moved > self.retry or (drafted and -moved > self.retry)
+        return self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1 > self.retry
 
     def record(self, band_counts):
         """A try's measurement: {band: (tokens, seconds)} of the rollout at the variant
@@ -243,7 +241,7 @@ class DraftTuner:
         checked = None
         first = self.tried_tokens_per_step is None
         if not self.exploring():
-            if not drafting and (first or (self.paired_estimate is None and (step - 1) % check_every == 0)):
+            if not drafting and (first or (not self.estimated and (step - 1) % check_every == 0)):
                 checked = check()
                 self.observe(checked)
             if first or (step - 1) % tune_every == 0 or self.is_stale():
@@ -256,7 +254,8 @@ class DraftTuner:
         drafting)."""
         if self.exploring():
             self.record(band_counts)
-        if schedule is not None and any(schedule):
+        self.drafted = schedule is not None and any(schedule)
+        if self.drafted:
             self.observe(statistics)
 
     def state_dict(self):
@@ -273,8 +272,7 @@ class DraftTuner:
             setattr(self, name, state[name])
 
     _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
-              "schedule", "realized", "band_tokens", "tried_acceptance", "measured", "paired_estimate",
-              "awaiting_pair")
+              "schedule", "realized", "band_tokens", "tried_acceptance", "measured", "drafted", "estimated")
 
 
 def _fill_unseen(schedule, seen):

@@ -1584,9 +1584,15 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
     assert crowded.choose() is None
     # A rollout at k = 3 finds the draft stale: deeper depths are capped by it; k = 3's
     # 220 in the tail scaled by 1.3 / 3.4 tokens per step and k = 1's 110 by 1.1 / 1.9 fall
-    # below k = 0's: no band drafts, the plain engine rolls out, and the tries are stale.
+    # below k = 0's: no band drafts, the plain engine rolls out, with no new tries (a fall
+    # is not stale: the scaled speeds already stopped the drafting).
     tuner.observe(_acceptance_statistics([0.1]))
-    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() is None and tuner.is_stale()
+    assert tuner.acceptance == pytest.approx([0.1, 0.1, 0.1]) and tuner.choose() is None and not tuner.is_stale()
+    # Deeper drafts accepted less (2.4 tokens a k = 3 step against 3.4, 29% fewer: the
+    # fall that made the tries stale before): in the tail k = 2's 190 x 2.3 / 2.7 = 162 now
+    # beats k = 3's 220 x 2.4 / 3.4 = 155, the middle keeps k = 1 (110 x 1.85 / 1.9 = 107).
+    tuner.observe(_acceptance_statistics([0.85, 0.45, 0.1]))
+    assert tuner.choose() == [2, 1, 0] and not tuner.is_stale()
     # A band the tries never ran takes the k of the nearest band they ran.
     unseen = draft_tuner.DraftTuner(max_tokens=1, num_bands=3)
     unseen.observe(_acceptance_statistics([0.9]))
@@ -1652,49 +1658,48 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
         == [0.5, 0.25]
 
 def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_hand():
-    """observe_estimate, as train_grpo calls it after each step's training: the first
-    estimate after an engine measurement pairs with it (the same weights), later ones move
-    A_i by (estimate / paired)^i, capped at 1 and non-increasing; the periodic checks stop
-    while estimates come, and go on without them."""
+    """observe_estimate, as train_grpo calls it after each step's training: after a rollout
+    that did not draft, A_1 is the estimate and each deeper A_i the one before times the
+    engine's last conditional acceptance (at most 1); after a drafting rollout its counts
+    stand; the periodic checks stop once estimates come, and go on without them."""
     checks = []
 
     def check():
         checks.append(len(checks))
-        return _acceptance_statistics([0.8, 0.6, 0.4])
+        return _acceptance_statistics([0.8, 0.6, 0.3])
 
     tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
-    tuner.observe_estimate(0.5)  # nothing measured yet: nothing to move
-    assert tuner.acceptance == [0.0, 0.0, 0.0] and tuner.paired_estimate is None
+    tuner.observe_estimate(0.5)  # nothing measured yet: no conditionals to follow
+    assert tuner.acceptance == [0.0, 0.0, 0.0]
     tuner.plan(1, check, check_every=5, tune_every=50, drafting=False)
-    assert checks == [0] and tuner.acceptance == pytest.approx([0.8, 0.6, 0.4])
-    tuner.observe_estimate(0.7)  # step 1's training, of the weights step 1's check measured
-    assert tuner.paired_estimate == 0.7 and tuner.acceptance == pytest.approx([0.8, 0.6, 0.4])
-    tuner.observe_estimate(0.35)
-    assert tuner.acceptance == pytest.approx([0.4, 0.6 / 4, 0.4 / 8])
-    tuner.observe_estimate(0.91)  # x 1.3: 1.04 and 1.014 capped at 1, then 0.4 x 1.3^3
-    assert tuner.acceptance == pytest.approx([1.0, 1.0, 0.4 * 1.3 ** 3])
-    tuner.observe_estimate(None)  # a step without an estimate changes nothing
-    assert tuner.acceptance == pytest.approx([1.0, 1.0, 0.4 * 1.3 ** 3])
+    assert checks == [0] and tuner.acceptance == pytest.approx([0.8, 0.6, 0.3])
+    # Step 1's rollout (a try on the plain engine) did not draft: A_1 = 0.7, then x 0.75, x 0.5.
+    tuner.after_rollout(tuner.choose(), {0: (100, 1.0)}, None)
     tuner.observe_estimate(0.7)
-    # The tries (one round: plain, 0, 1, 2, 3), the plain engine fastest: nothing drafts after.
-    for step, variant in zip(range(1, 6), [None, 0, 1, 2, 3]):
-        schedule, checked = tuner.plan(step, check, 5, 50, drafting=False) if step > 1 else (tuner.choose(), None)
-        assert schedule == (None if variant is None else [variant]) and checked is None
-        tuner.after_rollout(schedule, {0: (100, 1.0 if variant is None else 2.0)},
-                            None if variant is None else _acceptance_statistics([0.8, 0.6, 0.4][:variant]))
-        tuner.observe_estimate(0.7)
-    assert not tuner.exploring() and tuner.plan(6, check, 5, 50, drafting=False) == (None, None)
+    assert tuner.acceptance == pytest.approx([0.7, 0.525, 0.2625])
+    tuner.observe_estimate(None)  # a step without an estimate changes nothing
+    assert tuner.acceptance == pytest.approx([0.7, 0.525, 0.2625])
+    # The rest of the tries (k = 0, 1, 2, 3), the plain engine fastest: nothing drafts after.
+    for step, variant in zip(range(2, 6), [0, 1, 2, 3]):
+        schedule, checked = tuner.plan(step, check, 5, 50, drafting=False)
+        assert schedule == [variant] and checked is None
+        tuner.after_rollout(schedule, {0: (100, 2.0)},
+                            _acceptance_statistics([0.9, 0.45, 0.45][:variant]) if variant else None)
+        tuner.observe_estimate(0.6)
+    # k = 3's rollout drafted: its counts stand, the estimate after it changes nothing.
+    assert tuner.acceptance == pytest.approx([0.9, 0.45, 0.45]) and not tuner.exploring()
+    assert tuner.plan(6, check, 5, 50, drafting=False) == (None, None)
     assert checks == [0]  # step 6 would have checked without the estimates
-    # A drafting measurement waits for its own pair: the estimate after it moves nothing.
-    tuner.observe(_acceptance_statistics([0.5, 0.3, 0.2]))
-    tuner.observe_estimate(0.6)
-    assert tuner.paired_estimate == 0.6 and tuner.acceptance == pytest.approx([0.5, 0.3, 0.2])
+    # The plain engine's rollout: the estimate leads, the conditionals 0.5 and 1 follow.
+    tuner.after_rollout(None, {0: (100, 1.0)}, None)
+    tuner.observe_estimate(0.96)
+    assert tuner.acceptance == pytest.approx([0.96, 0.48, 0.48])
     restored = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
     restored.load_state_dict(tuner.state_dict())
     assert restored.state_dict() == tuner.state_dict()
-    with pytest.raises(ValueError, match="without \\['measured', 'paired_estimate', 'awaiting_pair'\\]"):
+    with pytest.raises(ValueError, match="without \\['measured', 'drafted', 'estimated'\\]"):
         restored.load_state_dict({name: value for name, value in tuner.state_dict().items()
-                                  if name not in ("measured", "paired_estimate", "awaiting_pair")})
+                                  if name not in ("measured", "drafted", "estimated")})
     # Without estimates (sampled-token MTP targets) the checks go on every check_every steps.
     unestimated = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
     unestimated.plan(1, check, 5, 50, drafting=False)
@@ -5604,12 +5609,16 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
                        weights_only=True)["draft_tuner"]
     assert tuner["max_tokens"] == 3 and tuner["measured"] == pytest.approx(first["check_acceptance_by_depth"])
     assert tuner["schedule"] == ([draft_tuner.PLAIN, 0, 1, 2, 3] * draft_tuner.TRY_ROUNDS)[2:]
-    # The trainer's estimates: step 1's pairs with step 1's check (the same weights), step
-    # 2's moves the checked acceptance by its ratio (no check at step 2, none due until 6).
+    # The trainer's estimates (no check at step 2, none due until step 6): after step 2's
+    # rollout, which did not draft, A_1 is step 2's estimate and the deeper A_i follow the
+    # check's conditional acceptances.
     assert 0.5 < first["mtp_acceptance"] < 1 and 0.5 < second["mtp_acceptance"] < 1
-    assert tuner["paired_estimate"] == first["mtp_acceptance"] and not tuner["awaiting_pair"]
-    assert tuner["acceptance"][0] == pytest.approx(
-        min(1.0, tuner["measured"][0] * second["mtp_acceptance"] / first["mtp_acceptance"]))
+    assert tuner["estimated"] and not tuner["drafted"]
+    measured = tuner["measured"]
+    assert tuner["acceptance"] == pytest.approx([second["mtp_acceptance"],
+                                                 second["mtp_acceptance"] * min(1, measured[1] / measured[0]),
+                                                 second["mtp_acceptance"] * min(1, measured[1] / measured[0])
+                                                 * min(1, measured[2] / measured[1])])
 
 
 def _write_draft_friendly_checkpoint(checkpoint, out_dir):
