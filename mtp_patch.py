@@ -37,9 +37,8 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    position i learns the policy's detached distribution softmax(z[i + d] / T) (z the main
    logits, rolled like the labels or read at `policy_rows`) by a vocab-parallel soft cross
    entropy under the sampled loss's weights and normalisation; one more output-layer pass.
-   `model.mtp_acceptance` then holds per depth the mean of sum_v min(p(v), q(v)) over its
-   tokens (p the policy's distribution, q the head's, at T): the chance that a draft sampled
-   from the head is accepted (vLLM's "probabilistic" drafts); None with sampled targets.
+   `model.mtp_acceptance` then holds per depth the mean of sum_v min(p, q) over its tokens (p
+   the policy's, q the head's distribution): a sampled draft's chance of acceptance.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
@@ -291,9 +290,8 @@ def _run_mtp_layers(model, hidden_states, input_ids, position_ids, kwargs, block
         block_kwargs["padding_mask"] = kwargs.get("padding_mask")
     mtp_input, embedding = hidden_states, model.embedding
     if decouple:
-        # A leaf that requires grad: a reentrant recompute checkpoint of the MTP layer
-        # returns a tensor without grad when none of its inputs requires it, and the MTP
-        # layers would then get no gradient at all.
+        # A leaf that requires grad: a reentrant recompute checkpoint of the MTP layer returns
+        # a tensor without grad when none of its inputs requires it (no MTP gradient at all).
         mtp_input = hidden_states.detach().requires_grad_()
         embedding = _detached(model.embedding)
     mtp_output = model.mtp(
