@@ -459,9 +459,9 @@ class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target_logits, group):
         log_q = _vocab_parallel_log_softmax(logits, group)
         p = _vocab_parallel_log_softmax(target_logits, group).exp_()
-        loss = _all_reduced(-(p * log_q).sum(dim=-1), group)
+        cross_entropy = -(p * log_q).sum(dim=-1)
         q = log_q.exp_()
-        overlap = _all_reduced(torch.minimum(p, q).sum(dim=-1), group)
+        loss, overlap = _all_reduced(torch.stack([cross_entropy, torch.minimum(p, q).sum(dim=-1)]), group)  # one call
         ctx.save_for_backward(q.sub_(p))
         ctx.mark_non_differentiable(overlap)
         return loss, overlap

@@ -418,10 +418,11 @@ def load_state(directory, policy, engines, rank, lr):
     for group in policy.optimizer.param_groups:
         group["lr"] = lr
     tuner = state.get("draft_tuner")
-    # A tuner of another depth, or one saved by code that kept less state, starts afresh.
-    if engines.tuner is not None and tuner is not None and (tuner["max_tokens"], tuner.get("num_bands")) == (
-            engines.tuner.max_tokens, engines.tuner.num_bands) and set(tuner) >= set(engines.tuner.state_dict()):
-        engines.tuner.load_state_dict(tuner)
+    if engines.tuner is not None and tuner is not None:
+        try:
+            engines.tuner.load_state_dict(tuner)
+        except ValueError:
+            pass  # a tuner of another depth, or saved by code that kept less state: it starts afresh
     return state["step"]
 
 
