@@ -4847,6 +4847,22 @@ def test_trainer_micro_batch_passes_its_mtp_target_on(monkeypatch):
         assert received["mtp_target"] == target and received["mtp_train"]
 
 
+def _rank_shares():
+    """This rank's trainer.rank_share of a step's 8 samples, counted and by tokens."""
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    samples = [{"index": index} for index in range(8)]
+    return [[sample["index"] for sample in trainer.rank_share(samples, trainer.TrainConfig(**options))]
+            for options in ({}, {"max_tokens_per_micro_batch": 64})]
+
+
+def test_trainer_train_takes_its_data_parallel_rank_share_of_the_step():
+    # Counted micro-batches: each rank its consecutive slice; by tokens every rank takes the
+    # whole batch, which token_budget_micro_batches splits.
+    assert run_in_processes(_rank_shares, world_size=2) == [[[0, 1, 2, 3], list(range(8))],
+                                                            [[4, 5, 6, 7], list(range(8))]]
+
+
 def test_trainer_stops_on_a_non_finite_loss_before_the_weights_change(tiny_checkpoint):
     message, unchanged = run_in_processes(_non_finite_train_step, args=(tiny_checkpoint,))[0]
     assert message is not None and message.startswith("non-finite loss at micro-batch 0")

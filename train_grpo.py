@@ -523,8 +523,7 @@ def run_step(run, step):
     """One training step, a call per phase; returns its metrics record. A reward that fails
     is a RewardFailure, on every rank."""
     s, engines, policy, timer = run.settings, run.engines, run.policy, run_log.PhaseTimer()
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    per_rank = s.prompts_per_step * s.group_size
+    dp_size = parallel_state.get_data_parallel_world_size()
     # What a checkpoint of the step before holds, should this one stop at its rewards.
     run.tuner_before_step = copy.deepcopy(engines.tuner.state_dict()) if engines.tuner is not None else None
     # Prompts: the same examples on every rank, from (seed, step) alone
@@ -539,9 +538,7 @@ def run_step(run, step):
         samples, rewards, acceptance, sampling = sample_batch(run, step, examples_now, run.params)
     # The policy loss on this data-parallel rank's share
     with timer("train"):
-        # Counted micro-batches: each rank its own slice; by tokens, the trainer splits every rank's.
-        share = samples if s.max_tokens_per_micro_batch else samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        train_sums = trainer.train(policy, share, run.train_config)
+        train_sums = trainer.train(policy, samples, run.train_config)
     # Sync: the new weights, MTP draft included, into vLLM
     with timer("sync"):
         sync_weights(engines, policy, step)

@@ -332,6 +332,17 @@ def token_budget_micro_batches(samples, budget, shared_prefix, dp_size):
             + [filler] * (count - len(rank_bins)) for rank_bins in bins]
 
 
+def rank_share(samples, config):
+    """This data-parallel rank's share of the step's samples: its own consecutive slice, or
+    with config.max_tokens_per_micro_batch all of them (every mini-batch is then split over
+    the ranks by tokens, `token_budget_micro_batches`)."""
+    if config.max_tokens_per_micro_batch:
+        return samples
+    per_rank = len(samples) // parallel_state.get_data_parallel_world_size()
+    start = parallel_state.get_data_parallel_rank() * per_rank
+    return samples[start:start + per_rank]
+
+
 def rank_micro_batches(samples, config):
     """This rank's micro-batches of one mini-batch: `samples` (this rank's) in
     config.micro_batches equal counts, or with config.max_tokens_per_micro_batch
@@ -597,9 +608,10 @@ def sum_tensor_parallel_partial_grads(model, attribute="grad"):
 
 
 def train(policy, samples, config):
-    """The train phase: --ppo-epochs passes over this rank's samples (with
-    max_tokens_per_micro_batch every rank's, each mini-batch split by tokens), each in
-    --mini-batches optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
+    """The train phase on the step's `samples` (every data-parallel rank's, in rank order):
+    --ppo-epochs passes over this rank's share (`rank_share`), each in --mini-batches
+    optimizer steps; returns the metric sums of all of them (see `combine_steps`)."""
+    samples = rank_share(samples, config)
     if config.ppo_epochs * config.mini_batches > 1:
         # Every step after the first sees moved weights: its ratio must be against the
         # policy that sampled the batch.
