@@ -550,11 +550,16 @@ def trl_worker(out):
     from trl import GRPOConfig, GRPOTrainer
     import flags
     import train_grpo
+    from grpo_loss import RewardConfig
     torch.set_num_threads(TRL_THREADS)
     settings = flags.check_args(flags.parse_args(["--out", out]), world_size=OUR_PROCESSES)
-    model_dir = train_grpo.write_builtin_model(settings.builtin_model)
-    examples, _ = tasks.split_examples(None, None, settings.seed, settings.task, settings.count_step)
-    prompts_per_step = OUR_PROCESSES * settings.prompts_per_step
+    # The default run's configs, as train_grpo builds them.
+    run = flags.settings_config(settings, train_grpo.RunConfig, resolved_flags=vars(settings))
+    data, reward = flags.settings_config(settings, tasks.DataConfig), flags.settings_config(settings, RewardConfig)
+    train = flags.train_config(settings)
+    model_dir = train_grpo.write_builtin_model(run.builtin_model)
+    examples, _ = tasks.split_examples(None, None, run.seed, data.task, data.count_step)
+    prompts_per_step = OUR_PROCESSES * run.prompts_per_step
     steps = []
 
     def credit(completions, answer, **_):
@@ -568,15 +573,15 @@ def trl_worker(out):
             steps.append({"seconds": time.perf_counter() - self.started})
 
     config = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=prompts_per_step * settings.group_size,
-        num_generations=settings.group_size, max_completion_length=settings.max_new_tokens,
-        generation_kwargs={"min_new_tokens": settings.max_new_tokens}, temperature=settings.temperature,
-        learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=settings.steps,
-        beta=0.0, epsilon=settings.clip_low, epsilon_high=settings.clip_high, entropy_coef=settings.entropy_coef,
-        max_grad_norm=settings.grad_clip, adam_beta2=0.99, seed=settings.seed, use_cpu=True, report_to="none",
+        output_dir=out, per_device_train_batch_size=prompts_per_step * reward.group_size,
+        num_generations=reward.group_size, max_completion_length=run.max_new_tokens,
+        generation_kwargs={"min_new_tokens": run.max_new_tokens}, temperature=train.temperature,
+        learning_rate=train.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=run.steps,
+        beta=0.0, epsilon=train.loss.clip_low, epsilon_high=train.loss.clip_high, entropy_coef=train.loss.entropy_coef,
+        max_grad_norm=train.grad_clip, adam_beta2=0.99, seed=run.seed, use_cpu=True, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
     rows = [{"prompt": e["prompt"], "answer": e["answer"]} for e in examples]
-    dataset = Dataset.from_list(rows * (settings.steps * prompts_per_step // len(rows) + 1))
+    dataset = Dataset.from_list(rows * (run.steps * prompts_per_step // len(rows) + 1))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     grpo = GRPOTrainer(model=model, reward_funcs=credit, args=config, train_dataset=dataset,
                        processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[StepTimes()])

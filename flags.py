@@ -11,8 +11,8 @@ Every flag is checked here before any process group exists: a bad value, a flag 
 not fit the model or the layout, a config.json megatron_model cannot build, a data file or
 reward that does not load, each named with its value and what is expected (`usage_error`:
 rank 0 says it, every process exits). The resolved settings are an argparse.Namespace;
-only train_grpo.py reads it whole (a checkpoint's meta keeps it, so that a resume can say
-which flag changed). Every other module takes its own frozen dataclass.
+train_grpo.py keeps it whole only as a checkpoint's meta (so that a resume can say which
+flag changed). Every module, train_grpo's loop too, takes its own frozen dataclass.
 Imports torch, the standard library and the modules whose configs and checks it uses.
 """
 
@@ -96,6 +96,7 @@ def draft_tokens_flag(value):
 POSITIVE_INT, COUNT = number(int, at_least=1), number(int, at_least=0)
 # Where a flag's default is a module's setting, the module's config holds it, and the reason.
 LOSS, TRAIN, ROLLOUT = grpo_loss.LossConfig(), trainer.TrainConfig(), rollout.RolloutConfig()
+DATA, REWARD = tasks.DataConfig(), grpo_loss.RewardConfig  # REWARD's defaults (max_new_tokens: resolve's)
 POSITIVE, NON_NEGATIVE = number(float, above=0), number(float, at_least=0)
 
 
@@ -106,19 +107,19 @@ def add_data_flags(p):
     p.add_argument("--builtin-model", choices=sorted(tiny_model.BUILTIN_MODELS), default=None,
                    help="the built-in model (written once under runs/) used without --model; default: the task's "
                         "(" + ", ".join(f"{task}: {spec['model']}" for task, spec in tasks.TASKS.items()) + ")")
-    p.add_argument("--task", choices=sorted(tasks.TASKS), default="repeat",
+    p.add_argument("--task", choices=sorted(tasks.TASKS), default=DATA.task,
                    help="built-in task without --data: repeat ('repeat:c' -> 'ccc', per-letter credit) or count "
                         f"('count:7' -> the next {tasks.TASKS['count']['length']} digits counting up mod 10, "
                         "'8901...', credit for each digit that follows the one before) or walk ('walk:q' -> "
                         "'rStu...z' then EOS: long-tailed response lengths, credit for each symbol that follows the "
                         "one before, in either case)")
-    p.add_argument("--count-step", type=number(int, at_least=1, at_most=tasks.MAX_COUNT_STEP), default=1,
+    p.add_argument("--count-step", type=number(int, at_least=1, at_most=tasks.MAX_COUNT_STEP), default=DATA.count_step,
                    help="--task count counts in steps of this many mod 10 (2: 'count:7' -> '9135...'); a policy "
                         "trained on one step and then on another is a policy that moves away from its MTP draft")
     p.add_argument("--data", default=None,
                    help="examples, .jsonl or .parquet: {prompt, answer} rows, or verl's layout (prompt as chat "
                         "messages, answer under reward_model.ground_truth); default: the built-in --task")
-    p.add_argument("--prompt-key", default=tasks.DEFAULT_PROMPT_KEY,
+    p.add_argument("--prompt-key", default=DATA.prompt_key,
                    help="--data field holding the prompt (a string or a list of {role, content} chat messages); "
                         "a dotted path reaches into nested fields")
     p.add_argument("--answer-key", default=None,
@@ -135,7 +136,7 @@ def add_data_flags(p):
                         "per-token floats; or math: the final answer (GSM8K's '#### 72', \\boxed{}, fractions, "
                         "LaTeX) checked against the answer's with math-verify; default: per-character credit "
                         "(built-in task), exact match (--data)")
-    p.add_argument("--reward-timeout", type=NON_NEGATIVE, default=tasks.REWARD_TIMEOUT_S,
+    p.add_argument("--reward-timeout", type=NON_NEGATIVE, default=DATA.reward_timeout,
                    help="seconds a --reward FILE.py:FUNCTION call may take before the run stops, with a checkpoint "
                         "of the last completed step, naming the prompt (0: no limit)")
 
@@ -167,13 +168,13 @@ def add_output_flags(p):
 
 def add_layout_flags(p):
     p.add_argument("--steps", type=POSITIVE_INT, default=150, help="training steps (one rollout batch each)")
-    p.add_argument("--seed", type=int, default=0, help="seed of data, init and sampling")
-    p.add_argument("--tp", type=POSITIVE_INT, default=1, help="Megatron tensor parallel size")
-    p.add_argument("--cp", type=POSITIVE_INT, default=1, help="Megatron context parallel size")
-    p.add_argument("--ep", type=POSITIVE_INT, default=1,
+    p.add_argument("--seed", type=int, default=ROLLOUT.seed, help="seed of data, init and sampling")
+    p.add_argument("--tp", type=POSITIVE_INT, default=TRAIN.tp, help="Megatron tensor parallel size")
+    p.add_argument("--cp", type=POSITIVE_INT, default=TRAIN.cp, help="Megatron context parallel size")
+    p.add_argument("--ep", type=POSITIVE_INT, default=TRAIN.ep,
                    help="Megatron expert parallel size: an MoE model's routed experts split over this many "
                         "data-parallel ranks (1: every rank holds every expert)")
-    p.add_argument("--pp", type=POSITIVE_INT, default=1,
+    p.add_argument("--pp", type=POSITIVE_INT, default=TRAIN.pp,
                    help="Megatron pipeline parallel size: the decoder layers split evenly over this many stages, the "
                         "MTP layers on the last (megatron-core's 1F1B schedule over the micro-batches; set "
                         "--micro-batches to at least --pp to keep every stage busy)")
@@ -185,10 +186,10 @@ def add_layout_flags(p):
                    help="megatron-core's distributed optimizer (ZeRO-1): each data-parallel rank holds 1/DP of the "
                         "fp32 main weights and Adam states (experts: 1/DP of their own data-parallel group) "
                         "(default: on where data-parallel size > 1)")
-    p.add_argument("--rollout-tp", type=POSITIVE_INT, default=1, help="vLLM tensor parallel size")
+    p.add_argument("--rollout-tp", type=POSITIVE_INT, default=ROLLOUT.rollout_tp, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
-                                                                  "others of its prompt)"), default=8,
+                                                                  "others of its prompt)"), default=REWARD.group_size,
                    help="completions per prompt (the GRPO group)")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=None,
                    help="response length limit (a built-in task always samples exactly this many); default: the "
@@ -196,8 +197,8 @@ def add_layout_flags(p):
                                                                       for task, spec in tasks.TASKS.items())
                         + ", or with --data " + str(DATA_MAX_NEW_TOKENS))
     p.add_argument("--temperature", type=number(float, above=0, why=" (greedy decoding would give every completion "
-                                                                     "of a group the same answer)"), default=1.0,
-                   help="rollout sampling temperature (> 0)")
+                                                                     "of a group the same answer)"),
+                   default=TRAIN.temperature, help="rollout sampling temperature (> 0)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 weights and rollout (default: on with CUDA, off on CPU)")
     p.add_argument("--gpu-memory-utilization", type=number(float, above=0, at_most=1),
@@ -247,7 +248,7 @@ def add_loss_flags(p):
                         "ratio move and the clip act")
     p.add_argument("--ppo-epochs", type=POSITIVE_INT, default=TRAIN.ppo_epochs, help="passes over each rollout batch")
     p.add_argument("--grad-clip", type=POSITIVE, default=TRAIN.grad_clip, help="global gradient-norm clip")
-    p.add_argument("--advantage", choices=grpo_loss.ADVANTAGE_MODES, default="grpo",
+    p.add_argument("--advantage", choices=grpo_loss.ADVANTAGE_MODES, default=REWARD.advantage,
                    help="group baseline: mean/std (GRPO), mean only (Dr. GRPO), leave-one-out mean")
     p.add_argument("--loss-agg", choices=grpo_loss.LOSS_AGGREGATIONS, default=LOSS.loss_agg,
                    help="how per-token losses are averaged")
@@ -280,24 +281,24 @@ def add_loss_flags(p):
 
 
 def add_sampling_flags(p):
-    p.add_argument("--dynamic-sampling", action="store_true",
+    p.add_argument("--dynamic-sampling", action="store_true", default=REWARD.dynamic_sampling,
                    help="DAPO's dynamic sampling: drop the groups whose rewards are all equal (no advantage) and "
                         "roll out more prompts until the batch is full of informative groups, at most "
                         "--max-sampling-rounds rollouts per step (then the dropped groups fill it)")
     p.add_argument("--max-sampling-rounds", type=POSITIVE_INT, default=None,
                    help=f"--dynamic-sampling: rollouts per step at most (default {DEFAULT_SAMPLING_ROUNDS})")
-    p.add_argument("--overlong-filter", action="store_true",
+    p.add_argument("--overlong-filter", action="store_true", default=REWARD.overlong_filter,
                    help="truncated completions (no end-of-sequence token within --max-new-tokens) stay out of the "
                         "loss (--data only: the built-in tasks always sample --max-new-tokens)")
-    p.add_argument("--overlong-buffer", type=COUNT, default=0,
+    p.add_argument("--overlong-buffer", type=COUNT, default=REWARD.overlong_buffer,
                    help="DAPO's soft overlong punishment: the reward falls linearly by up to --overlong-penalty over "
                         "the last N tokens before --max-new-tokens (0: off; --data only)")
-    p.add_argument("--overlong-penalty", type=NON_NEGATIVE, default=1.0,
+    p.add_argument("--overlong-penalty", type=NON_NEGATIVE, default=REWARD.overlong_penalty,
                    help="the reward taken from a completion of --max-new-tokens tokens under --overlong-buffer")
 
 
 def add_mtp_flags(p):
-    p.add_argument("--mtp-train", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--mtp-train", action=argparse.BooleanOptionalAction, default=TRAIN.mtp_train,
                    help="train the MTP head (its loss rides on the policy's backward pass)")
     p.add_argument("--mtp-rollout", action=argparse.BooleanOptionalAction, default=None,
                    help="draft with the MTP head in vLLM (speculative decoding); default: on when the model "
@@ -654,16 +655,22 @@ def draft_plan(settings):
     return auto, settings.max_speculative_tokens if auto else settings.num_speculative_tokens
 
 
+def settings_config(settings, config_class, **given):
+    """A module's config dataclass `config_class` (tasks.DataConfig, grpo_loss.RewardConfig,
+    train_grpo.RunConfig, ...) from the resolved settings: each field the setting of its
+    name, but those `given`."""
+    return config_class(**{field.name: getattr(settings, field.name) for field in dataclasses.fields(config_class)
+                           if field.name not in given}, **given)
+
+
 def loss_config(settings):
     """The policy loss's settings: grpo_loss.LossConfig."""
-    return grpo_loss.LossConfig(**{field.name: getattr(settings, field.name)
-                                   for field in dataclasses.fields(grpo_loss.LossConfig)})
+    return settings_config(settings, grpo_loss.LossConfig)
 
 
 def train_config(settings):
     """The train phase's settings: trainer.TrainConfig, the loss's included."""
-    names = [field.name for field in dataclasses.fields(trainer.TrainConfig) if field.name != "loss"]
-    return trainer.TrainConfig(**{name: getattr(settings, name) for name in names}, loss=loss_config(settings))
+    return settings_config(settings, trainer.TrainConfig, loss=loss_config(settings))
 
 
 def plan_world_size(args):

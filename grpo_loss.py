@@ -24,7 +24,8 @@ every per-token tensor is [T] fp32 and sits at the position that predicts its to
 sequence each token belongs to; with context parallelism a rank holds only part of each
 sequence, and `sum_over_ranks` (the caller's all-reduce over the context-parallel group,
 None when a rank holds whole sequences) completes every per-sequence sum. `LossConfig`
-holds the loss's settings for a trainer that keeps them in one place. Imports torch only.
+holds the loss's settings, `RewardConfig` the batch's (rewards to advantages), for a
+trainer that keeps them in one place. Imports torch only.
 """
 
 import dataclasses
@@ -65,6 +66,21 @@ class LossConfig:
     rollout_mask_high: float = 2.0
     entropy_coef: float = 0.02        # keeps a random-init policy from collapsing onto one answer
     kl_coef: float = 0.0              # k3 KL to the initial policy; 0 needs no reference model
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """How a step's rollouts become its batch, as a trainer passes them to
+    `overlong_penalty`, `informative_groups` and `group_advantages`: the groups, DAPO's
+    overlong shaping and dynamic sampling, the advantage's baseline."""
+    max_new_tokens: int               # the response limit the overlong shaping counts from
+    group_size: int = 8               # completions per prompt: each baselined against the others
+    advantage: str = "grpo"           # ADVANTAGE_MODES; mean/std, the common baseline
+    overlong_filter: bool = False     # truncated completions stay out of the loss
+    overlong_buffer: int = 0          # DAPO's soft overlong punishment over the last N tokens (0: off)
+    overlong_penalty: float = 1.0     # the reward taken from a completion of max_new_tokens tokens
+    dynamic_sampling: bool = False    # groups of equal rewards dropped, more rolled out in their place
+    max_sampling_rounds: int = 1      # rollouts per step at most (> 1 only with dynamic sampling)
 
 
 def group_advantages(rewards, group_size, mode):

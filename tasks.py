@@ -42,6 +42,7 @@ math-verify for --reward math, when used); the tokenizer is any Hugging Face tok
 the caller passes.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -102,6 +103,20 @@ NUMERIC_TOLERANCE = 1e-6
 REWARD_TIMEOUT_S = 300.0
 UTF8_BOM = "\ufeff"
 SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What a run trains on and how it is scored, as a trainer passes it to `load_examples`,
+    `split_examples`, `try_reward` and `credit_function`."""
+    task: str = "repeat"              # TASKS, without a data file: repeat learns in minutes on 2 cores
+    count_step: int = 1               # count's step mod 10
+    data: str = None                  # a data file of examples; None: the built-in task's
+    eval_data: str = None             # held-out examples; None: the task's, or a share of `data`
+    prompt_key: str = DEFAULT_PROMPT_KEY
+    answer_key: str = None            # None: the first of DEFAULT_ANSWER_KEYS a row has
+    reward: str = None                # "FILE.py:FUNCTION" or MATH_REWARD; None: the task's credit, or exact match
+    reward_timeout: float = REWARD_TIMEOUT_S
 
 
 class InputError(ValueError):

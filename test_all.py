@@ -2610,13 +2610,13 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     shutil.copytree(reference_out, out)
     newest = out / "checkpoints" / "step_000005" / "rank1.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    layout = train_grpo.run_layout(_settings(["--out", str(out)]), world_size=2)
+    layout = train_grpo.run_layout(_run_config(["--out", str(out)]), world_size=2)
     assert checkpoint.choose_checkpoint(str(out), "auto", layout) == str(out / "checkpoints" / "step_000004")
     warning = capsys.readouterr().err
     assert f"checkpoint {out / 'checkpoints' / 'step_000005'} skipped: {newest} is 1000 bytes, expected" in warning
     with pytest.raises(checkpoint.CheckpointError,
                        match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
-        checkpoint.choose_checkpoint(str(out), "auto", train_grpo.run_layout(_settings(["--tp", "2"]), world_size=4))
+        checkpoint.choose_checkpoint(str(out), "auto", train_grpo.run_layout(_run_config(["--tp", "2"]), world_size=4))
     # As the command says it, before any process group: one line, no traceback (this process: world size 1).
     with pytest.raises(SystemExit) as refused:
         train_grpo.main(flags.parse_args(["--out", str(out)]))
@@ -2765,7 +2765,7 @@ def test_checkpoint_full_disk_is_refused_naming_the_folder_and_the_last_one_stay
         assert int(said[2]) >= sum(os.path.getsize(os.path.join(said[3], f"rank{r}.pt")) for r in range(2))
         assert os.listdir(root) == ["step_000002"] and checkpoint.checkpoint_problem(said[3]) is None
         # What the same command resumes from (the signal test runs such a resume).
-        layout = train_grpo.run_layout(_settings(["--out", out, *FULL_DISK_RUN]), world_size=2)
+        layout = train_grpo.run_layout(_run_config(["--out", out, *FULL_DISK_RUN]), world_size=2)
         assert checkpoint.choose_checkpoint(out, "auto", layout) == said[3]
     finally:
         subprocess.run(["umount", str(disk)], check=True)
@@ -5338,6 +5338,12 @@ def _settings(given=(), world_size=1):
     return flags.resolve(args, flags.model_config(args), world_size)
 
 
+def _run_config(given=(), world_size=1):
+    """train_grpo's RunConfig for `given`, as its `main` builds it."""
+    settings = _settings(given, world_size)
+    return flags.settings_config(settings, train_grpo.RunConfig, resolved_flags=vars(settings))
+
+
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
     """Run train_grpo.py under torchrun (`node_count` agents on this machine, rendezvous on
     127.0.0.1); returns (metrics.jsonl records, stdout, stderr)."""
@@ -5584,7 +5590,7 @@ def test_train_grpo_reward_that_hangs_late_on_one_rank_saves_the_last_step_and_r
     rewards.write_text(LATE_REWARD.replace("time.sleep(3600)", "pass"))
     for told in ([], ["--resume-with-changed-inputs"]):
         settings = _settings(command[command.index("--out"):] + told)
-        digests = train_grpo.input_digests(settings)
+        digests = train_grpo.input_digests(flags.settings_config(settings, tasks.DataConfig))
         if told:
             checkpoint.refuse_changed_inputs(newest, vars(settings), digests)
             continue
@@ -5813,8 +5819,11 @@ def _dynamic_sampling_run(monkeypatch, rounds_of_rewards, max_rounds):
                  for i, r in enumerate(rewards)], None, None if sampling_round else {"probe_logprob": -1.5})
     monkeypatch.setattr(rollout, "generate", fake_generate)
     examples, _ = tasks.split_examples(None, None, 0, "repeat")
-    run = SimpleNamespace(settings=settings, examples=examples, engines=None, policy=SimpleNamespace(model=None),
-                          tokenizer=None, rank=0, credit=lambda sample: [float(sample["reward"])], stop=None)
+    run = SimpleNamespace(config=SimpleNamespace(seed=settings.seed), examples=examples, engines=None,
+                          reward_config=flags.settings_config(settings, grpo_loss.RewardConfig),
+                          data_config=flags.settings_config(settings, tasks.DataConfig),
+                          policy=SimpleNamespace(model=None), tokenizer=None, rank=0,
+                          credit=lambda sample: [float(sample["reward"])], stop=None)
     first = tasks.sample_prompts(examples, 3, 3, settings.seed)
     samples, rewards, _, metrics = train_grpo.sample_batch(run, 3, first, params=None)
     return calls, samples, rewards, metrics, first, examples
@@ -6268,7 +6277,8 @@ def _rollout_prompt_ids(checkpoint, data):
                          rollout.probe_params(params), use_tqdm=False)[0].outputs[0]
     # the advantages pack_micro_batch lays out
     credit = tasks.credit_function(tokenizer)
-    train_grpo.set_advantages(samples, train_grpo.credit_rows(samples, credit, settings), settings)
+    reward_config = flags.settings_config(settings, grpo_loss.RewardConfig)
+    train_grpo.set_advantages(samples, train_grpo.credit_rows(samples, credit, reward_config), reward_config)
     input_ids, seqlens = trainer.pack_micro_batch(samples, torch.device("cpu"))[:2]
     packed = [sequence[:len(sample["prompt_ids"])].tolist()
               for sequence, sample in zip(torch.split(input_ids, seqlens.tolist()), samples)]

@@ -83,26 +83,26 @@ def write_builtin_model(name):
     return tiny_model.build_tiny_model(directory, family, **sizes)
 
 
-def load_inputs(run_settings):
-    """Before any process group: (training pool, held-out set), each checked."""
-    s = run_settings
+def load_inputs(data, seed):
+    """Before any process group: (training pool, held-out set) of `data` (tasks.DataConfig),
+    each checked."""
 
     def load(path, flag):
-        return tasks.load_examples(path, s.prompt_key, s.answer_key, flag) if path else None
-    examples, held_out = tasks.split_examples(load(s.data, "--data"), load(s.eval_data, "--eval-data"), s.seed,
-                                              s.task, s.count_step)
-    if s.reward:
-        tasks.try_reward(s.reward, examples[0], s.reward_timeout)
+        return tasks.load_examples(path, data.prompt_key, data.answer_key, flag) if path else None
+    examples, held_out = tasks.split_examples(load(data.data, "--data"), load(data.eval_data, "--eval-data"), seed,
+                                              data.task, data.count_step)
+    if data.reward:
+        tasks.try_reward(data.reward, examples[0], data.reward_timeout)
     return examples, held_out
 
 
-def input_digests(run_settings):
-    """{flag: sha256 of its file} for --data, --eval-data and the --reward file: a resumed run
-    must find them as the checkpoint's run left them (checkpoint.refuse_changed_inputs)."""
-    s = run_settings
-    reward_file = s.reward.rpartition(":")[0] if s.reward and s.reward != tasks.MATH_REWARD else None
+def input_digests(data):
+    """{flag: sha256 of its file} for --data, --eval-data and the --reward file of `data`
+    (tasks.DataConfig): a resumed run must find them as the checkpoint's run left them
+    (checkpoint.refuse_changed_inputs)."""
+    reward_file = data.reward.rpartition(":")[0] if data.reward and data.reward != tasks.MATH_REWARD else None
     digests = {}
-    for flag, path in (("--data", s.data), ("--eval-data", s.eval_data), ("--reward", reward_file)):
+    for flag, path in (("--data", data.data), ("--eval-data", data.eval_data), ("--reward", reward_file)):
         if path:
             with open(path, "rb") as f:
                 digests[flag] = hashlib.file_digest(f, "sha256").hexdigest()
@@ -121,35 +121,35 @@ def sample_batch(run, step, examples_now, params):
     rolls out as many prompts again, drawn from (seed, step, r), until the batch holds as
     many informative groups as prompts, or --max-sampling-rounds rollouts ran (the dropped
     groups then fill it, in the order drawn: their advantages are 0)."""
-    s, wanted = run.settings, len(examples_now)
+    config, seed, wanted = run.reward_config, run.config.seed, len(examples_now)
     kept, dropped, informative_count = [], [], 0
-    for sampling_round in range(s.max_sampling_rounds):
+    for sampling_round in range(config.max_sampling_rounds):
         if sampling_round:
-            examples_now = tasks.sample_prompts(run.examples, step, wanted, s.seed, sampling_round)
+            examples_now = tasks.sample_prompts(run.examples, step, wanted, seed, sampling_round)
         samples, round_acceptance, round_probe = rollout.generate(run.engines, run.policy.model, run.tokenizer,
-                                                                  examples_now, step, params, s.seed, run.rank,
+                                                                  examples_now, step, params, seed, run.rank,
                                                                   sampling_round)
         if not sampling_round:
             # The drafting metrics and the probe are the step's first rollout's.
             acceptance, probe = round_acceptance, round_probe
-        rows = credit_rows(samples, run.credit, s, step - 1, run.stop)
+        rows = credit_rows(samples, run.credit, config, step - 1, run.stop)
         means = torch.tensor([sum(row) / len(row) for row in rows])
-        informative = grpo_loss.informative_groups(means, s.group_size).tolist()
+        informative = grpo_loss.informative_groups(means, config.group_size).tolist()
         informative_count += sum(informative)
         for group, useful in enumerate(informative):
-            members = slice(group * s.group_size, (group + 1) * s.group_size)
-            (kept if useful or not s.dynamic_sampling else dropped).append((samples[members], rows[members]))
+            members = slice(group * config.group_size, (group + 1) * config.group_size)
+            (kept if useful or not config.dynamic_sampling else dropped).append((samples[members], rows[members]))
         if len(kept) >= wanted:
             break
     batch = (kept + dropped)[:wanted]
     # Renumbered: groups of several rounds may share an index within their own round.
     samples = [dict(sample, group=group) for group, (members, _) in enumerate(batch) for sample in members]
-    rewards = set_advantages(samples, [row for _, rows in batch for row in rows], s)
+    rewards = set_advantages(samples, [row for _, rows in batch for row in rows], config)
     if torch.cuda.is_available():
-        run.engines.sleep(level=sleep_level(s))
+        run.engines.sleep(level=sleep_level(run.train_config))
     metrics = {"sampling_rounds": sampling_round + 1,
                "informative_group_share": informative_count / ((sampling_round + 1) * wanted), **probe}
-    if s.data:
+    if run.data_config.data:
         metrics["truncated_fraction"] = sum(sample["truncated"] for sample in samples) / len(samples)
     return samples, rewards, acceptance, metrics
 
@@ -186,30 +186,30 @@ def score(samples, credit, completed, stop=None):
     return [rows[index] for index in range(len(samples))]
 
 
-def credit_rows(samples, credit, settings, completed=0, stop=None):
+def credit_rows(samples, credit, config, completed=0, stop=None):
     """Each sample's credits ([floats]: per token, or one for the sequence; `score`), with
-    DAPO's soft overlong punishment (--overlong-buffer) added to each."""
+    DAPO's soft overlong punishment (config: grpo_loss.RewardConfig's overlong_buffer) added to each."""
     rows = score(samples, credit, completed, stop)
-    if not settings.overlong_buffer:
+    if not config.overlong_buffer:
         return rows
     lengths = torch.tensor([len(sample["response_ids"]) for sample in samples])
-    penalties = grpo_loss.overlong_penalty(lengths, settings.max_new_tokens, settings.overlong_buffer,
-                                           settings.overlong_penalty)
+    penalties = grpo_loss.overlong_penalty(lengths, config.max_new_tokens, config.overlong_buffer,
+                                           config.overlong_penalty)
     return [[value + penalty for value in row] for row, penalty in zip(rows, penalties.tolist())]
 
 
-def set_advantages(samples, rows, settings):
+def set_advantages(samples, rows, config):
     """Rewards [N] fp32 (each completion's mean credit); sets each sample's per-token
-    advantages and, under --overlong-filter, whether it is in the loss. Per-token credits of
-    unequal lengths are zero-padded for the per-position group baseline; a sequence reward
-    spreads over its tokens."""
+    advantages and, under config.overlong_filter (grpo_loss.RewardConfig), whether it is in
+    the loss. Per-token credits of unequal lengths are zero-padded for the per-position
+    group baseline; a sequence reward spreads over its tokens."""
     lengths = [len(row) for row in rows]
     width = max(lengths)
     credits = torch.tensor([row + [0.0] * (width - len(row)) for row in rows])          # [N, L]
-    advantages = grpo_loss.group_advantages(credits, settings.group_size, settings.advantage)
+    advantages = grpo_loss.group_advantages(credits, config.group_size, config.advantage)
     for sample, advantage, length in zip(samples, advantages, lengths):
         sample["advantages"] = advantage[:length].expand(len(sample["response_ids"]))
-        if settings.overlong_filter:
+        if config.overlong_filter:
             sample["in_loss"] = not sample["truncated"]
     # The padding adds zeros: each row's sum is its credits'.
     return credits.sum(dim=1) / torch.tensor(lengths, dtype=credits.dtype)
@@ -239,9 +239,10 @@ def sync_weights(engines, policy, step):
 def evaluate(run, step):
     """Greedy completions of the held-out examples after `step`, scored like training's:
     {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
-    s = run.settings
-    params = rollout.sampling_params(1, 0.0, s.max_new_tokens, ignore_eos=s.ignore_eos)
-    samples, _, _ = rollout.rollout(run.engines.active(), run.tokenizer, run.held_out, params, s.rollout_tp, run.rank)
+    config = run.config
+    params = rollout.sampling_params(1, 0.0, config.max_new_tokens, ignore_eos=config.ignore_eos)
+    samples, _, _ = rollout.rollout(run.engines.active(), run.tokenizer, run.held_out, params, config.rollout_tp,
+                                    run.rank)
     rewards = torch.tensor([sum(row) / len(row) for row in score(samples, run.credit, step, run.stop)])
     return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
             "eval_response_length": sum(len(s["response_ids"]) for s in samples) / len(samples)}
@@ -274,10 +275,42 @@ def draft_record(engines, acceptance, checked, tried):
 # Main
 # ---------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What the run's own loop reads (built in `main` by flags.settings_config, which takes
+    each field from the resolved setting of its name; flags holds every default). Every
+    other module's settings reach it as its own config."""
+    out: str
+    steps: int
+    seed: int
+    prompts_per_step: int
+    eval_every: int
+    save_every: int
+    keep_checkpoints: int
+    resume: str
+    tensorboard: bool
+    wandb_project: str
+    max_new_tokens: int
+    ignore_eos: bool
+    max_positions: int
+    tune_every: int
+    acceptance_check_every: int
+    model: str
+    builtin_model: str
+    tp: int
+    cp: int
+    ep: int
+    pp: int
+    rollout_tp: int
+    # The resolved settings whole, by name: a checkpoint's meta (a resume says which flag
+    # changed) and W&B's record of the run.
+    resolved_flags: dict
+
+
 @dataclasses.dataclass
 class Run:
     """Everything a step needs, built once by `start`."""
-    settings: object  # flags.check_args' resolved settings
+    config: RunConfig
     rank: int
     world_size: int
     device: torch.device
@@ -295,6 +328,9 @@ class Run:
     params: object = None  # the rollout's SamplingParams
     check_params: object = None  # auto's acceptance check's
     train_config: trainer.TrainConfig = None
+    data_config: tasks.DataConfig = None
+    reward_config: grpo_loss.RewardConfig = None
+    rollout_config: rollout.RolloutConfig = None
     tuner_before_step: dict = None  # auto's tuner as the step under way found it
     start_seconds: dict = None  # where the run's start went: {phase: wall seconds} before step 1
 
@@ -302,30 +338,35 @@ class Run:
 def header(run, args):
     """The run's first lines (rank 0): model, layout, drafting, the flags `args` sets
     away from their defaults."""
-    s, defaults = run.settings, vars(flags.parse_args([]))
+    s, defaults = run.config, vars(flags.parse_args([]))
+    data, train, engines = run.data_config, run.train_config, run.rollout_config
     changed = [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items() if value != defaults[name]]
     dp = run.world_size // (s.tp * s.cp * s.pp)
-    auto, draft_tokens = flags.draft_plan(s)
-    drafting = (f"auto, k in 0..{draft_tokens}" if auto else f"k = {draft_tokens}") if s.mtp_rollout else "off"
+    drafting = ((f"auto, k in 0..{engines.draft_tokens}" if engines.auto_draft else f"k = {engines.draft_tokens}")
+                if engines.mtp_rollout else "off")
     return "\n".join([
         f"train_grpo.py: {s.model or f'built-in {s.builtin_model} model ({run.model_dir})'}, "
-        + (f"--data {s.data}" if s.data else f"task {s.task}") + f", {s.steps} steps, out {s.out}",
+        + (f"--data {data.data}" if data.data else f"task {data.task}") + f", {s.steps} steps, out {s.out}",
         f"layout: {run.world_size} processes x {torch.get_num_threads()} thread(s) on {run.device.type}, tp {s.tp} "
         f"cp {s.cp} dp {dp}" + (f" ep {s.ep}" if s.ep > 1 else "") + (f" pp {s.pp}" if s.pp > 1 else "")
         + f", rollout tp {s.rollout_tp}; "
-        f"{s.prompts_per_step} prompts x {s.group_size} completions per dp rank"
-        + (", each prompt trained once" if s.shared_prefix else "")
-        + f"; {'bf16' if s.bf16 else 'fp32'}; MTP drafting {drafting}, training {'on' if s.mtp_train else 'off'}",
+        f"{s.prompts_per_step} prompts x {run.reward_config.group_size} completions per dp rank"
+        + (", each prompt trained once" if train.shared_prefix else "")
+        + f"; {'bf16' if train.bf16 else 'fp32'}; MTP drafting {drafting}, "
+        f"training {'on' if train.mtp_train else 'off'}",
         "flags: " + (" ".join(changed) or "all defaults") + (f"; resumed at step {run.start_step}" if run.start_step
                                                             else ""),
         f"start: {sum(run.start_seconds.values()):.1f} s (" + ", ".join(
             f"{phase} {seconds:.1f}" for phase, seconds in run.start_seconds.items()) + ")"])
 
 
-def start(run_settings, resume_dir, examples, held_out, stop, inputs):
+def start(settings, s, data, reward, resume_dir, examples, held_out, stop, inputs):
     """Process group, tokenizer, policy, engines and checkpoint: the run before step 1, each
-    part timed (Run.start_seconds; the imports and flag checks before it as "imports")."""
-    s, timer = run_settings, run_log.PhaseTimer()
+    part timed (Run.start_seconds; the imports and flag checks before it as "imports").
+    s: RunConfig, data: tasks.DataConfig, reward: grpo_loss.RewardConfig; `settings`, the
+    resolved flags, go to flags alone, which settles the engines' context from them once the
+    prompts are tokenized and makes the train and rollout configs."""
+    timer = run_log.PhaseTimer()
     timer.seconds["imports"] = time.perf_counter() - IMPORTS_STARTED
     with timer("process group"):
         rank, world_size, device = init_distributed()
@@ -342,42 +383,46 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
         # The engines' context is the run's, not the model's (a published 128k one would
         # ask for KV cache the run never uses): refused here when it does not fit.
         longest = (refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
-                   if s.data else max(len(tasks.prompt_token_ids(tokenizer, e["prompt"])) for e in examples + held_out))
+                   if data.data else max(len(tasks.prompt_token_ids(tokenizer, e["prompt"])) for e in examples + held_out))
         longest = max(longest, len(tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)))
-        hf_config = flags.model_config(s)
-        s = flags.rollout_context(s, hf_config, longest)
-        credit = refusing(tasks.credit_function, tokenizer, None if s.data else s.task, s.count_step, s.reward,
-                          s.reward_timeout, lambda: stop.signum != 0)
+        hf_config = flags.model_config(settings)
+        settings = flags.rollout_context(settings, hf_config, longest)
+        # The checkpoint's meta keeps the settings with the engines' context.
+        s = dataclasses.replace(s, resolved_flags=vars(settings))
+        credit = refusing(tasks.credit_function, tokenizer, None if data.data else data.task, data.count_step,
+                          data.reward, data.reward_timeout, lambda: stop.signum != 0)
     with timer("policy"):
+        train_config = flags.train_config(settings)
         init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed,
                             pipeline_parallel=s.pp)
         mtp_patch.patch_megatron_mtp()
-        policy = trainer.build_policy(model_dir, flags.train_config(s))
+        policy = trainer.build_policy(model_dir, train_config)
     with timer("vLLM engines"):
-        engines = rollout.build_engines(*rollout_model(model_dir, hf_config, s, rank), rank)
+        engines_dir, rollout_config = rollout_model(model_dir, hf_config, flags.rollout_config(settings), s.out, rank)
+        engines = rollout.build_engines(engines_dir, rollout_config, rank)
     with timer("checkpoint"):
-        start_step = load_state(resume_dir, policy, engines, rank, s.lr) if resume_dir else 0
-    params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
-    check_params = rollout.sampling_params(s.group_size, s.temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
+        start_step = load_state(resume_dir, policy, engines, rank, train_config.lr) if resume_dir else 0
+    temperature = rollout_config.temperature
+    params = rollout.sampling_params(reward.group_size, temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
+    check_params = rollout.sampling_params(reward.group_size, temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                            ignore_eos=True)
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
-               model_dir, lock, stop, inputs, params, check_params, flags.train_config(s),
+               model_dir, lock, stop, inputs, params, check_params, train_config, data, reward, rollout_config,
                start_seconds=timer.seconds)
 
 
-def rollout_model(model_dir, hf_config, run_settings, rank):
-    """(directory, RolloutConfig) the engines are built from (`hf_config`: the model's
-    config.json as a dict): the model's own directory, or a copy of its
-    config and tokenizer (in OUT/rollout-model) with dummy weights, the first push bringing
-    the policy's. The copy is for what vLLM cannot read as published: an FP8 block-quantized
+def rollout_model(model_dir, hf_config, config, out, rank):
+    """(directory, rollout.RolloutConfig) the engines are built from (`hf_config`: the
+    model's config.json as a dict; `config` the engines' own): the model's own directory
+    and `config`, or a copy of its config and tokenizer (in `out`/rollout-model) with dummy
+    weights, the first push bringing the policy's. The copy is for what vLLM cannot read as published: an FP8 block-quantized
     checkpoint (its config without `quantization_config`: the engines hold bf16/fp32 layers,
     the policy's weights dequantized; vLLM's own FP8 rollout is not used), and MiMo's
     `model_type` "mimo", which only its remote code defines (a Qwen2 trunk: "qwen2")."""
-    config = flags.rollout_config(run_settings)
     renamed = hf_config.get("model_type") == "mimo"
     if not hf_weights.fp8_block_size(hf_config) and not renamed:
         return model_dir, config
-    directory = os.path.join(run_settings.out, "rollout-model")
+    directory = os.path.join(out, "rollout-model")
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         hf_weights.copy_hf_metadata(model_dir, directory)
@@ -434,14 +479,14 @@ def save_state(run, step, tuner_state=None):
     if run.engines.tuner is not None:
         # Its tries and acceptance: the resumed run drafts as the uninterrupted one would.
         state["draft_tuner"] = tuner_state or run.engines.tuner.state_dict()
-    meta = dict(run_layout(run.settings, run.world_size), flags=vars(run.settings), inputs=run.inputs)
-    refusing(checkpoint.save_checkpoint, run.settings.out, step, state, meta, run.settings.keep_checkpoints, run.rank)
+    meta = dict(run_layout(run.config, run.world_size), flags=run.config.resolved_flags, inputs=run.inputs)
+    refusing(checkpoint.save_checkpoint, run.config.out, step, state, meta, run.config.keep_checkpoints, run.rank)
 
 
-def run_layout(run_settings, world_size):
+def run_layout(config, world_size):
     """What a checkpoint must match to be resumed: the process layout and the model (from
-    the resolved settings)."""
-    s = run_settings
+    `config`, a RunConfig)."""
+    s = config
     return {"world_size": world_size, "tp": s.tp, "cp": s.cp, "ep": s.ep, "rollout_tp": s.rollout_tp,
             "model": os.path.abspath(s.model) if s.model else f"built-in {s.builtin_model}",
             # Named only when set: the layouts of runs without stages stay as they were saved.
@@ -457,16 +502,16 @@ def broadcast(value):
 def open_outputs(run, resume_dir, args, changed):
     """(metrics.jsonl's path, the records kept from before the start step, a TensorBoard
     writer or None, a W&B run or None); records and loggers on rank 0 only."""
-    os.makedirs(run.settings.out, exist_ok=True)
-    metrics_path = os.path.join(run.settings.out, "metrics.jsonl")
+    os.makedirs(run.config.out, exist_ok=True)
+    metrics_path = os.path.join(run.config.out, "metrics.jsonl")
     if run.rank != 0:
         return metrics_path, [], None, None
     print(header(run, args), flush=True)
     if run.start_step:
         print(f"resumed from {resume_dir} (step {run.start_step})" + (f" with {changed}" if changed else ""),
               flush=True)
-    writer = run_log.open_tensorboard(run.settings.out, run.start_step) if run.settings.tensorboard else None
-    wandb_run = run_log.open_wandb(run.settings.out, run.settings.wandb_project, vars(run.settings), run.start_step)
+    writer = run_log.open_tensorboard(run.config.out, run.start_step) if run.config.tensorboard else None
+    wandb_run = run_log.open_wandb(run.config.out, run.config.wandb_project, run.config.resolved_flags, run.start_step)
     return metrics_path, checkpoint.keep_records(metrics_path, run.start_step), writer, wandb_run
 
 
@@ -483,22 +528,25 @@ def main(args):
             raise usage_error(f"--plan: {error}") from None
         print(memory_plan.format_plan(plan, hf_config), flush=True)
         return []
-    resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
-    changed = refusing(checkpoint.resume_changes, resume_dir, vars(s)) if resume_dir else ""
-    inputs = input_digests(s)
+    # Each part of the run takes its own config from here on (`start` hands the settings to flags alone).
+    config = flags.settings_config(s, RunConfig, resolved_flags=vars(s))
+    data, reward = flags.settings_config(s, tasks.DataConfig), flags.settings_config(s, grpo_loss.RewardConfig)
+    resume_dir = refusing(checkpoint.choose_checkpoint, config.out, config.resume, run_layout(config, world_size))
+    changed = refusing(checkpoint.resume_changes, resume_dir, config.resolved_flags) if resume_dir else ""
+    inputs = input_digests(data)
     if resume_dir:
-        refusing(checkpoint.refuse_changed_inputs, resume_dir, vars(s), inputs)
-    examples, held_out = refusing(load_inputs, s)
+        refusing(checkpoint.refuse_changed_inputs, resume_dir, config.resolved_flags, inputs)
+    examples, held_out = refusing(load_inputs, data, config.seed)
     # SIGTERM / SIGINT from here on: stop after the step under way, with a checkpoint.
     stop = checkpoint.StopRequest()
-    run = start(s, resume_dir, examples, held_out, stop, inputs)
+    run = start(s, config, data, reward, resume_dir, examples, held_out, stop, inputs)
     metrics_path, records, writer, wandb_run = open_outputs(run, resume_dir, args, changed)
     # The ranks begin step 1 together: their skew at the start (rank 0 alone opens the
     # loggers) belongs to the start, not to step 1's first phase.
     dist.barrier()
     started = time.time()
 
-    for step in range(run.start_step + 1, s.steps + 1):
+    for step in range(run.start_step + 1, config.steps + 1):
         try:
             record = run_step(run, step)
         except RewardFailure as failure:
@@ -507,10 +555,10 @@ def main(args):
             raise non_finite(run, resume_dir, step, error)
         if run.rank == 0:
             records.append(record)
-            run_log.log_step(record, metrics_path, writer, s.steps, time.time() - started, step - run.start_step,
+            run_log.log_step(record, metrics_path, writer, config.steps, time.time() - started, step - run.start_step,
                              wandb_run)
         stop_signal = stop.agreed(run.device)
-        if step % s.save_every == 0 or step == s.steps or stop_signal:
+        if step % config.save_every == 0 or step == config.steps or stop_signal:
             save_state(run, step)
         if stop_signal:
             raise stopped(run, step, stop_signal)
@@ -522,7 +570,7 @@ def main(args):
 def run_step(run, step):
     """One training step, a call per phase; returns its metrics record. A reward that fails
     is a RewardFailure, on every rank."""
-    s, engines, policy, timer = run.settings, run.engines, run.policy, run_log.PhaseTimer()
+    s, engines, policy, timer = run.config, run.engines, run.policy, run_log.PhaseTimer()
     dp_size = parallel_state.get_data_parallel_world_size()
     # What a checkpoint of the step before holds, should this one stop at its rewards.
     run.tuner_before_step = copy.deepcopy(engines.tuner.state_dict()) if engines.tuner is not None else None
@@ -562,7 +610,7 @@ def stopped_by_reward(run, step_under_way, failure):
     under way: the last completed step saved first, unless a checkpoint of it exists. A
     failure in the rollout leaves the weights of the step before; auto's tuner goes back to
     where that step left it."""
-    s, step = run.settings, failure.completed
+    s, step = run.config, failure.completed
     saved = step == run.start_step or step % s.save_every == 0
     if step and not saved:
         save_state(run, step, run.tuner_before_step if step < step_under_way else None)
@@ -592,22 +640,22 @@ def stopped(run, step, signum):
     the signal itself would give), said once."""
     if run.rank == 0:
         print(f"train_grpo.py: stopped by {signal.Signals(signum).name} after step {step}; its checkpoint is in "
-              f"{os.path.join(run.settings.out, checkpoint.CHECKPOINTS_DIR)}, and the same command resumes from it",
+              f"{os.path.join(run.config.out, checkpoint.CHECKPOINTS_DIR)}, and the same command resumes from it",
               file=sys.stderr, flush=True)
     return SystemExit(128 + signum)
 
 
-def sleep_level(run_settings):
+def sleep_level(train_config):
     """vLLM's sleep level after a GPU rollout: 2 drops its weights (every push sends them
     all again); 1 keeps a host copy, needed when the draft drafts but does not train
-    (nothing refills it)."""
-    return 1 if run_settings.mtp_rollout and not run_settings.mtp_train else 2
+    (nothing refills it). train_config: trainer.TrainConfig."""
+    return 1 if train_config.mtp_rollout and not train_config.mtp_train else 2
 
 
 def finish(run, records, loggers, seconds):
     """The trained policy as a HF checkpoint in OUT/final, the plots, the closing summary;
     `loggers` (TensorBoard's writer, the W&B run; each None when off) are closed."""
-    out = run.settings.out
+    out = run.config.out
     hf_weights.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
     writer, wandb_run = loggers
     if writer is not None:
@@ -620,7 +668,7 @@ def finish(run, records, loggers, seconds):
     written = [os.path.join(out, name) for name in ("metrics.jsonl", "curves.png")]
     if run_log.plot_acceptance_against_entropy(records, os.path.join(out, "acceptance_vs_entropy.png")):
         written.append(os.path.join(out, "acceptance_vs_entropy.png"))
-    print(run_log.summary(records, seconds, run.settings.steps - run.start_step), flush=True)
+    print(run_log.summary(records, seconds, run.config.steps - run.start_step), flush=True)
     print(f"wrote {', '.join(written)}, {os.path.join(out, 'final')}", flush=True)
 
 
