@@ -12,7 +12,8 @@ vllm_sync's bucketed push against a naive one, each in a spawned process.
 
 Imports torch and the project's cpu_backend, draft_tuner, hf_weights, megatron_model,
 rollout, run_log, spec_config, tasks, tiny_model, vllm_sync and harness;
-vLLM, matplotlib, transformers, datasets and TRL inside the rows that need them.
+vLLM, matplotlib, transformers, datasets and TRL (with flags, grpo_loss and train_grpo,
+for the default run's configs) inside the rows that need them.
 """
 
 import json

@@ -18,8 +18,8 @@ How it stays right and cheap:
   its MTP targets go to the model explicitly (mtp_patch's MTP_TARGETS_ATTRIBUTE), as one
   shared slot predicts each member's own next tokens.
 - `mtp_target="policy"` has the MTP head learn the policy's own next-token distribution at
-  the sampling temperature instead of the sampled tokens (mtp_patch's item 9; the
-  temperature rides on `packed_seq_params`).
+  the sampling temperature instead of the sampled tokens (mtp_patch's item 9: the forward
+  runs inside `mtp_policy_target.policy_target(temperature)`, which the MTP loss reads).
 - `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
   positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
   `position_ids` and crash on `None`. (A vision model, which computes its own positions,
@@ -31,7 +31,7 @@ How it stays right and cheap:
   [s, b, vocab/tp]); log-probs come from megatron's vocab-parallel cross entropy and
   entropy from a vocab-parallel reduction: no rank ever holds the full vocabulary.
 
-Imports torch, megatron-core, cp_thd and mtp_patch.
+Imports torch, megatron-core, cp_thd, mtp_patch and mtp_policy_target.
 """
 
 import contextlib
@@ -43,7 +43,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from cp_thd import ThdBatch, pack_shared_prefix, pack_thd
-from mtp_patch import MTP_POLICY_TEMPERATURE_ATTRIBUTE, MTP_TARGETS_ATTRIBUTE, patched
+from mtp_patch import MTP_TARGETS_ATTRIBUTE, patched
+from mtp_policy_target import policy_target
 
 # What the MTP head learns (`forward_logprobs`' mtp_target): the sampled next tokens, or the
 # policy's next-token distribution (soft targets).
@@ -165,13 +166,12 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     shared = prefix_group_size is not None
     batch = _packed_batch(model, input_ids, seqlens, loss_mask, cp_group, pad_id=pad_id, pad_multiple=pad_multiple,
                           prefix_group_size=prefix_group_size, mtp_train=mtp_train)
-    if mtp_train and mtp_target == "policy":
-        setattr(batch.packed_seq_params, MTP_POLICY_TEMPERATURE_ATTRIBUTE, temperature)
     local_labels = batch.pack(labels)
     local_mask = batch.pack(loss_mask)
 
     rope = _rope_at_positions(model, batch.position_ids) if shared else contextlib.nullcontext()
-    with _rollout_routing(model, batch, routed_experts, replay_routing) as routing, rope:
+    mtp_target_context = policy_target(temperature if mtp_train and mtp_target == "policy" else None)
+    with _rollout_routing(model, batch, routed_experts, replay_routing) as routing, rope, mtp_target_context:
         logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
     entropy, logprobs = _entropy_and_logprobs(logits, local_labels, local_mask, with_entropy)
 

@@ -33,10 +33,11 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    slot's MTP output at that depth predicts, and the slot whose main output predicts that
    same label. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
    sum(weights): a slot may carry several targets, and labels and mask are not rolled.
-9. Policy targets: with `packed_seq_params.mtp_policy_temperature` (T > 0) depth d at
+9. Policy targets: inside `mtp_policy_target.policy_target(T)` (T > 0) depth d at
    position i learns the policy's detached distribution softmax(z[i + d] / T) (z the main
    logits, rolled like the labels or read at `policy_rows`) by a vocab-parallel soft cross
-   entropy under the sampled loss's weights and normalisation; one more output-layer pass.
+   entropy (mtp_policy_target.py) under the sampled loss's weights and normalisation; one
+   more output-layer pass.
    `model.mtp_acceptance` then holds per depth the mean of sum_v min(p, q) over its tokens (p
    the policy's, q the head's distribution): a sampled draft's chance of acceptance.
 
@@ -47,13 +48,16 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
 
 What is replaced, and where megatron's own code still runs: docs/MTP_MATRIX.md.
 
-Imports only torch, the standard library and (when patching) megatron-core.
+Imports only torch, the standard library, mtp_policy_target (item 9) and (when patching)
+megatron-core.
 """
 
 import inspect
 import warnings
 
 import torch
+
+from mtp_policy_target import all_reduced, policy_target_temperature, soft_depth_loss
 
 # Where each replaced function lives: (module, class or None for a module global, function).
 PATCHED_FUNCTIONS = (
@@ -68,14 +72,11 @@ PATCHED_FUNCTIONS = (
 PATCH_MARK = "_mtp_patch_options"
 # Where a packing puts explicit MTP targets (item 8 above) on its PackedSeqParams.
 MTP_TARGETS_ATTRIBUTE = "mtp_targets"
-# Where a forward asks for the policy's distribution as the MTP target (item 9 above), at
-# the sampler's temperature: on its PackedSeqParams, a property of the batch's forward.
-MTP_POLICY_TEMPERATURE_ATTRIBUTE = "mtp_policy_temperature"
 
 # Zigzag THD layout: CP rank r holds chunks r and 2*cp-1-r of every padded sequence.
 # A copy of cp_thd.CHUNKS_PER_RANK, as `_roll_source_index`'s arithmetic is of
-# cp_thd.zigzag_gathered_slot's: this module imports no project module, so that it can be
-# copied alone. A test keeps them equal
+# cp_thd.zigzag_gathered_slot's: this module imports no project module but
+# mtp_policy_target, so that the two can be copied alone. A test keeps them equal
 # (test_mtp_patch_roll_index_map_agrees_with_the_zigzag_layout_it_copies).
 CHUNKS_PER_RANK = 2
 # What megatron rolls in at the last position of each sequence.
@@ -377,9 +378,12 @@ def _make_process_mtp_loss(megatron, packed_roll):
             logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
             return logits if scale_logits is None else scale_logits(logits)
 
-        depth_loss, overlaps = _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets,
-                                                    roll_tensor, roll_kwargs, compute_language_model_loss,
-                                                    parallel_state)
+        # Stated by the forward's caller around its call (mtp_policy_target.policy_target):
+        # megatron's forward carries no argument of the caller's to here.
+        temperature = policy_target_temperature()
+        depth_loss, overlaps = (compute_language_model_loss, None) if temperature is None else soft_depth_loss(
+            temperature, logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
+            parallel_state.get_tensor_model_parallel_group())
         acceptance = None if overlaps is None else torch.zeros_like(losses)
         for depth in range(num_layers):
             mtp_logits = logits_of(hidden_states_list[depth + 1])
@@ -404,80 +408,6 @@ def _make_process_mtp_loss(megatron, packed_roll):
         return hidden_states, losses, acceptance
 
     return process_mtp_loss
-
-
-def _depth_loss_function(packed_seq_params, logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
-                         compute_language_model_loss, parallel_state):
-    """(each depth's per-token loss in turn, (labels, MTP logits) -> [b, s] ([1, E] with
-    explicit targets) fp32: megatron's cross entropy, or with MTP_POLICY_TEMPERATURE_ATTRIBUTE
-    the soft one against the policy's distribution; with the latter a list each call appends
-    its tokens' sum_v min(p, q) to, else None). logits_of: [s, b, h] -> [s, b, V/tp]."""
-    temperature = getattr(packed_seq_params, MTP_POLICY_TEMPERATURE_ATTRIBUTE, None)
-    if temperature is None:
-        return compute_language_model_loss, None
-    if not temperature > 0:
-        raise ValueError(f"packed_seq_params.{MTP_POLICY_TEMPERATURE_ATTRIBUTE} = {temperature!r}; expected > 0")
-    # The policy's distribution is a target, not something the MTP loss may move.
-    with torch.no_grad():
-        policy_logits = logits_of(hidden_states).float() / temperature
-    targets = _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    overlaps = []
-
-    def soft_cross_entropy(labels, mtp_logits):
-        loss, overlap = _VocabParallelSoftCrossEntropy.apply(mtp_logits.float() / temperature, next(targets),
-                                                             tp_group)
-        overlaps.append(overlap.transpose(0, 1))
-        return loss.transpose(0, 1)  # [s, b] -> [b, s], as megatron's cross entropy returns it
-
-    return soft_cross_entropy, overlaps
-
-
-def _policy_target_logits(policy_logits, depth_targets, roll_tensor, roll_kwargs):
-    """Each depth's target logits in turn (one rolled copy alive at a time). policy_logits
-    [s, b, V/tp] fp32, no graph: the main logits / T. Depth d's: rolled d times like the
-    labels ([s, b, V/tp]; 0 where the mask rolled in 0), or its policy_rows ([E, 1, V/tp])."""
-    rolled = policy_logits
-    for _, _, _, policy_rows in depth_targets:
-        if policy_rows is not None:
-            yield policy_logits.index_select(0, policy_rows)
-        else:
-            # The roll works on the last dimension, the labels' [b, s] sequence: move it there and back.
-            rolled = roll_tensor(rolled.permute(1, 2, 0), **roll_kwargs)[0].permute(2, 0, 1)
-            yield rolled
-
-
-class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
-    """-sum_v p(v) log q(v) per token, p = softmax(target logits), q = softmax(logits), the
-    vocabulary split over the TP group (megatron's vocab_parallel_cross_entropy takes hard
-    labels only). logits [..., V/tp] fp32, target_logits [..., V/tp] fp32 (no gradient) ->
-    ([...] fp32, the same on every TP rank; d/dlogits = q - p, local to each rank;
-    [...] fp32 sum_v min(p(v), q(v)), no gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target_logits, group):
-        log_q = _vocab_parallel_log_softmax(logits, group)
-        p = _vocab_parallel_log_softmax(target_logits, group).exp_()
-        cross_entropy = -(p * log_q).sum(dim=-1)
-        q = log_q.exp_()
-        loss, overlap = _all_reduced(torch.stack([cross_entropy, torch.minimum(p, q).sum(dim=-1)]), group)  # one call
-        ctx.save_for_backward(q.sub_(p))
-        ctx.mark_non_differentiable(overlap)
-        return loss, overlap
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_overlap):
-        q_minus_p, = ctx.saved_tensors
-        return grad_loss.unsqueeze(-1) * q_minus_p, None, None
-
-
-def _vocab_parallel_log_softmax(logits, group):
-    """logits [..., V/tp] -> log-softmax over the whole vocabulary, this rank's shard [..., V/tp]."""
-    logits_max = _all_reduced(logits.max(dim=-1, keepdim=True).values, group, "MAX")
-    shifted = logits - logits_max
-    sum_exp = _all_reduced(shifted.exp().sum(dim=-1, keepdim=True), group)
-    return shifted - sum_exp.log()
 
 
 def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers, roll_kwargs):
@@ -514,15 +444,7 @@ def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
 
 def _sum_over(count, group):
     """Token counts (any shape) summed over `group`, in a copy."""
-    return _all_reduced(count.clone(), group)
-
-
-def _all_reduced(tensor, group, op="SUM"):
-    """`tensor` all-reduced over `group` in place, op a torch.distributed.ReduceOp name (a
-    no-op outside torch.distributed or at size 1)."""
-    if group is not None and torch.distributed.is_initialized() and group.size() > 1:
-        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op), group=group)
-    return tensor
+    return all_reduced(count.clone(), group)
 
 
 def _make_checkpointed_forward(original, megatron, probes):

@@ -51,6 +51,7 @@ import megatron_model
 import memory_plan
 import mtp_matrix
 import mtp_patch
+import mtp_policy_target
 import pipeline
 import rollout
 import run_log
@@ -1043,8 +1044,47 @@ def test_mtp_patch_roll_index_map_agrees_with_the_zigzag_layout_it_copies():
                     (cp_size, lengths, tp_size, rank)
 
 
-# The policy as the MTP target (mtp_patch item 9): the soft cross entropy against the
-# policy's own detached distribution, by hand, in the rolled and the shared-prefix layouts
+def test_forward_shared_prefix_policy_mtp_target_equals_the_unshared_layout(mtp_policy_results):
+    unshared, shared = mtp_policy_results["unshared"], mtp_policy_results["shared"]
+    broken = mtp_policy_results["shared, policy at own slot"]
+    names = sorted(name for name, grad in unshared["grads"].items() if grad is not None)
+    by_hand_error = _relative_difference(unshared["mtp_losses"], unshared["by_hand"]["losses"])
+    loss_error = _relative_difference(shared["mtp_losses"], unshared["mtp_losses"])
+    grad_error = _relative_difference(shared["grads"], unshared["grads"])
+    broken_error = float((broken["mtp_losses"] - unshared["mtp_losses"]).abs().min())
+    print(f"policy target, shared prefix vs unshared (relative): losses {loss_error:.1e} apart, gradients "
+          f"{grad_error:.1e}; unshared vs by hand {by_hand_error:.1e}; policy rows at the MTP output's own slot: "
+          f"losses {broken_error:.1e} apart")
+    assert by_hand_error < MTP_POLICY_TOLERANCE
+    assert loss_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
+    assert sorted(name for name, grad in shared["grads"].items() if grad is not None) == names
+    torch.testing.assert_close(shared["mtp_acceptance"], unshared["by_hand"]["acceptance"], rtol=0, atol=1e-6)
+    assert broken_error > 1e-3
+
+
+# ---------------------------------------------------------------------------------------
+# mtp_policy_target: the policy as the MTP target (mtp_patch item 9), by hand
+# ---------------------------------------------------------------------------------------
+
+def test_mtp_policy_target_context_states_the_target_until_its_block_ends():
+    assert mtp_policy_target.policy_target_temperature() is None  # the sampled tokens
+    with mtp_policy_target.policy_target(0.7):
+        assert mtp_policy_target.policy_target_temperature() == 0.7
+        with mtp_policy_target.policy_target(None):
+            assert mtp_policy_target.policy_target_temperature() is None
+        assert mtp_policy_target.policy_target_temperature() == 0.7
+    assert mtp_policy_target.policy_target_temperature() is None
+    with pytest.raises(RuntimeError), mtp_policy_target.policy_target(1.0):
+        raise RuntimeError  # a forward that fails leaves no target behind
+    assert mtp_policy_target.policy_target_temperature() is None
+    for temperature in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="expected a temperature > 0"), \
+                mtp_policy_target.policy_target(temperature):
+            pass
+
+
+# The soft cross entropy against the policy's own detached distribution, by hand, in the
+# rolled and the shared-prefix layouts, through megatron patched by mtp_patch
 
 MTP_POLICY_TEMPERATURE = 0.7
 # fp32 on CPU, the same sums in another order: relative to the largest value compared (a
@@ -1118,8 +1158,9 @@ def _mtp_policy_loss_by_hand(model, out, batch, block_output):
 
 def _policy_logits_rolled_across_ranks():
     """Each rank (CP = the world size): random [T, V] logits of a packed batch rolled by
-    `_policy_target_logits` for depths 1 and 2 with the installed roll, gathered in input
-    order, and the same shift by hand: logits[i + d] within i's sequence, else 0."""
+    `mtp_policy_target.policy_target_logits` for depths 1 and 2 with the installed roll,
+    gathered in input order, and the same shift by hand: logits[i + d] within i's
+    sequence, else 0."""
     from megatron.core.transformer import multi_token_prediction
     rank, cp_size, _ = cpu_backend.init_distributed()
     group = torch.distributed.group.WORLD
@@ -1129,8 +1170,8 @@ def _policy_logits_rolled_across_ranks():
     batch = cp_thd.pack_thd(torch.zeros(total, dtype=torch.int64), seqlens, cp_size=cp_size, cp_rank=rank)
     logits = torch.randn(total, 5, generator=torch.Generator().manual_seed(0))
     roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": group, "packed_seq_params": batch.packed_seq_params}
-    rolled = mtp_patch._policy_target_logits(batch.pack(logits)[:, None], [(None, None, None, None)] * 2,
-                                             multi_token_prediction.roll_tensor, roll_kwargs)
+    rolled = mtp_policy_target.policy_target_logits(batch.pack(logits)[:, None], [(None, None, None, None)] * 2,
+                                                    multi_token_prediction.roll_tensor, roll_kwargs)
     ours = [batch.unpack(depth_logits[:, 0].contiguous(), cp_group=group) for depth_logits in rolled]
     ends = torch.repeat_interleave(torch.cumsum(seqlens, 0), seqlens)
     token = torch.arange(total)
@@ -1140,14 +1181,15 @@ def _policy_logits_rolled_across_ranks():
 
 
 @pytest.mark.parametrize("cp_size", [1, 2])
-def test_mtp_patch_policy_logits_roll_exactly_like_the_labels_across_ranks(cp_size):
+def test_mtp_policy_target_logits_roll_exactly_like_the_labels_across_ranks(cp_size):
     for ours, by_hand in run_in_processes(_policy_logits_rolled_across_ranks, world_size=cp_size):
         assert all(torch.equal(rolled, expected) for rolled, expected in zip(ours, by_hand))
         assert not torch.equal(ours[1], by_hand[0])  # depth 2 rolls twice
 
 
 def _policy_targets_one_roll_short(policy_logits, depth_targets, roll_tensor, roll_kwargs):
-    """mtp_patch._policy_target_logits broken on purpose: depth d gets the main logits rolled d - 1 times."""
+    """mtp_policy_target.policy_target_logits broken on purpose: depth d gets the main logits
+    rolled d - 1 times."""
     rolled = policy_logits
     for _ in depth_targets:
         yield rolled
@@ -1173,12 +1215,12 @@ def _mtp_policy_measurements(checkpoint):
                "sampled": _mtp_policy_forward_backward(model, packed, mtp_target="sampled"),
                "unshared": _mtp_policy_forward_backward(model, grouped, by_hand=True),
                "shared": _mtp_policy_forward_backward(model, grouped, prefix_group_size=SHARED_GROUP_SIZE)}
-    original = mtp_patch._policy_target_logits
-    mtp_patch._policy_target_logits = _policy_targets_one_roll_short
+    original = mtp_policy_target.policy_target_logits
+    mtp_policy_target.policy_target_logits = _policy_targets_one_roll_short
     try:
         results["one roll short"] = _mtp_policy_forward_backward(model, packed)
     finally:
-        mtp_patch._policy_target_logits = original
+        mtp_policy_target.policy_target_logits = original
     original = forward.mtp_targets
 
     def policy_at_own_slot(*args):
@@ -1207,7 +1249,7 @@ def _relative_difference(values, reference):
     return float((values - reference).abs().max() / reference.abs().max())
 
 
-def test_mtp_patch_policy_target_loss_equals_a_soft_cross_entropy_by_hand(mtp_policy_results):
+def test_mtp_policy_target_loss_equals_a_soft_cross_entropy_by_hand(mtp_policy_results):
     packed = mtp_policy_results["packed"]
     by_hand = packed["by_hand"]
     loss_error = _relative_difference(packed["mtp_losses"], by_hand["losses"])
@@ -1230,7 +1272,7 @@ def test_mtp_patch_policy_target_loss_equals_a_soft_cross_entropy_by_hand(mtp_po
     assert mtp_policy_results["sampled"]["forward_acceptance"] is None
 
 
-def test_mtp_patch_policy_target_trains_only_mtp_layers(mtp_policy_results):
+def test_mtp_policy_target_trains_only_mtp_layers(mtp_policy_results):
     grads = mtp_policy_results["packed"]["grads"]
     trunk = {name: grad for name, grad in grads.items() if not name.startswith("mtp.")}
     assert any(name.startswith("embedding.") for name in trunk) and any(name.startswith("output_layer.")
@@ -1242,7 +1284,7 @@ def test_mtp_patch_policy_target_trains_only_mtp_layers(mtp_policy_results):
     assert mtp_grads and sum(float(grad.abs().sum()) for grad in mtp_grads) > 0
 
 
-def test_mtp_patch_policy_target_one_roll_short_is_caught(mtp_policy_results):
+def test_mtp_policy_target_one_roll_short_is_caught(mtp_policy_results):
     broken = mtp_policy_results["one roll short"]["mtp_losses"]
     difference = (broken - mtp_policy_results["packed"]["by_hand"]["losses"]).abs()
     print(f"policy rolled d - 1 times: losses {broken.tolist()}, {difference.tolist()} from the loss by hand")
@@ -1251,24 +1293,6 @@ def test_mtp_patch_policy_target_one_roll_short_is_caught(mtp_policy_results):
     relative = (mtp_policy_results["one roll short"]["mtp_acceptance"] - by_hand).abs() / by_hand
     print(f"  draft acceptance {relative.tolist()} apart (relative)")
     assert (relative > 0.02).all()  # the tolerance against the right roll is 1e-6 absolute
-
-
-def test_forward_shared_prefix_policy_mtp_target_equals_the_unshared_layout(mtp_policy_results):
-    unshared, shared = mtp_policy_results["unshared"], mtp_policy_results["shared"]
-    broken = mtp_policy_results["shared, policy at own slot"]
-    names = sorted(name for name, grad in unshared["grads"].items() if grad is not None)
-    by_hand_error = _relative_difference(unshared["mtp_losses"], unshared["by_hand"]["losses"])
-    loss_error = _relative_difference(shared["mtp_losses"], unshared["mtp_losses"])
-    grad_error = _relative_difference(shared["grads"], unshared["grads"])
-    broken_error = float((broken["mtp_losses"] - unshared["mtp_losses"]).abs().min())
-    print(f"policy target, shared prefix vs unshared (relative): losses {loss_error:.1e} apart, gradients "
-          f"{grad_error:.1e}; unshared vs by hand {by_hand_error:.1e}; policy rows at the MTP output's own slot: "
-          f"losses {broken_error:.1e} apart")
-    assert by_hand_error < MTP_POLICY_TOLERANCE
-    assert loss_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
-    assert sorted(name for name, grad in shared["grads"].items() if grad is not None) == names
-    torch.testing.assert_close(shared["mtp_acceptance"], unshared["by_hand"]["acceptance"], rtol=0, atol=1e-6)
-    assert broken_error > 1e-3
 
 
 # ---------------------------------------------------------------------------------------
