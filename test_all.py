@@ -5929,6 +5929,29 @@ def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_no
     assert not (tmp_path / "out").exists()
 
 
+def test_flags_defaults_are_the_module_configs_own():
+    # A flag that sets a module's config field takes its default from that field (or derives
+    # it: None), never a second literal of its own.
+    configs = (trainer.TrainConfig, grpo_loss.LossConfig, grpo_loss.RewardConfig, tasks.DataConfig,
+               rollout.RolloutConfig)
+    # TrainConfig's `loss` holds the LossConfig; LossConfig's `loss` is the --loss flag's.
+    owners = {name: [config for config in configs if name in {field.name for field in dataclasses.fields(config)}
+                     and not dataclasses.is_dataclass(getattr(config, name, None))]
+              for config in configs for name in (field.name for field in dataclasses.fields(config))}
+    tree = ast.parse(open(os.path.join(REPO_DIR, "flags.py")).read())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "attr", "")
+             == "add_argument" and node.args[0].value[2:].replace("-", "_") in owners]
+    assert len(calls) >= 30
+    defaults = vars(flags.parse_args([]))
+    for call in calls:
+        name = call.args[0].value[2:].replace("-", "_")
+        default = next(keyword.value for keyword in call.keywords if keyword.arg == "default")
+        if isinstance(default, ast.Constant) and default.value is None:
+            continue  # derived by flags.resolve
+        assert isinstance(default, ast.Attribute) and default.attr == name, (name, ast.unparse(default))
+        assert all(defaults[name] == getattr(config, name) for config in owners[name]), name
+
+
 def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused():
     assert flags.parse_args([]).mtp_target == trainer.TrainConfig().mtp_target == "policy"
     settings = flags.check_args(flags.parse_args(["--mtp-target", "sampled"]), world_size=2)

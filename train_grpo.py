@@ -239,10 +239,9 @@ def sync_weights(engines, policy, step):
 def evaluate(run, step):
     """Greedy completions of the held-out examples after `step`, scored like training's:
     {eval_accuracy (reward 1), eval_reward_mean, eval_response_length}, on every rank."""
-    config = run.config
-    params = rollout.sampling_params(1, 0.0, config.max_new_tokens, ignore_eos=config.ignore_eos)
-    samples, _, _ = rollout.rollout(run.engines.active(), run.tokenizer, run.held_out, params, config.rollout_tp,
-                                    run.rank)
+    s = run.config
+    params = rollout.sampling_params(1, 0.0, s.max_new_tokens, ignore_eos=s.ignore_eos)
+    samples, _, _ = rollout.rollout(run.engines.active(), run.tokenizer, run.held_out, params, s.rollout_tp, run.rank)
     rewards = torch.tensor([sum(row) / len(row) for row in score(samples, run.credit, step, run.stop)])
     return {"eval_accuracy": (rewards == 1).float().mean().item(), "eval_reward_mean": rewards.mean().item(),
             "eval_response_length": sum(len(s["response_ids"]) for s in samples) / len(samples)}
@@ -402,10 +401,10 @@ def start(settings, s, data, reward, resume_dir, examples, held_out, stop, input
         engines = rollout.build_engines(engines_dir, rollout_config, rank)
     with timer("checkpoint"):
         start_step = load_state(resume_dir, policy, engines, rank, train_config.lr) if resume_dir else 0
-    temperature = rollout_config.temperature
-    params = rollout.sampling_params(reward.group_size, temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
-    check_params = rollout.sampling_params(reward.group_size, temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
-                                           ignore_eos=True)
+    params = rollout.sampling_params(reward.group_size, rollout_config.temperature, s.max_new_tokens,
+                                     ignore_eos=s.ignore_eos)
+    check_params = rollout.sampling_params(reward.group_size, rollout_config.temperature,
+                                           draft_tuner.ACCEPTANCE_CHECK_TOKENS, ignore_eos=True)
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
                model_dir, lock, stop, inputs, params, check_params, train_config, data, reward, rollout_config,
                start_seconds=timer.seconds)
