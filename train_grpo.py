@@ -359,13 +359,13 @@ def header(run, args):
             f"{phase} {seconds:.1f}" for phase, seconds in run.start_seconds.items()) + ")"])
 
 
-def start(settings, s, data, reward, resume_dir, examples, held_out, stop, inputs):
+def start(settings, config, data, reward, resume_dir, examples, held_out, stop, inputs):
     """Process group, tokenizer, policy, engines and checkpoint: the run before step 1, each
     part timed (Run.start_seconds; the imports and flag checks before it as "imports").
-    s: RunConfig, data: tasks.DataConfig, reward: grpo_loss.RewardConfig; `settings`, the
-    resolved flags, go to flags alone, which settles the engines' context from them once the
-    prompts are tokenized and makes the train and rollout configs."""
-    timer = run_log.PhaseTimer()
+    config: RunConfig, data: tasks.DataConfig, reward: grpo_loss.RewardConfig; `settings`,
+    the resolved flags, go to flags alone, which settles the engines' context from them once
+    the prompts are tokenized and makes the train and rollout configs."""
+    s, timer = config, run_log.PhaseTimer()
     timer.seconds["imports"] = time.perf_counter() - IMPORTS_STARTED
     with timer("process group"):
         rank, world_size, device = init_distributed()
@@ -414,10 +414,11 @@ def rollout_model(model_dir, hf_config, config, out, rank):
     """(directory, rollout.RolloutConfig) the engines are built from (`hf_config`: the
     model's config.json as a dict; `config` the engines' own): the model's own directory
     and `config`, or a copy of its config and tokenizer (in `out`/rollout-model) with dummy
-    weights, the first push bringing the policy's. The copy is for what vLLM cannot read as published: an FP8 block-quantized
-    checkpoint (its config without `quantization_config`: the engines hold bf16/fp32 layers,
-    the policy's weights dequantized; vLLM's own FP8 rollout is not used), and MiMo's
-    `model_type` "mimo", which only its remote code defines (a Qwen2 trunk: "qwen2")."""
+    weights, the first push bringing the policy's. The copy is for what vLLM cannot read as
+    published: an FP8 block-quantized checkpoint (its config without `quantization_config`:
+    the engines hold bf16/fp32 layers, the policy's weights dequantized; vLLM's own FP8
+    rollout is not used), and MiMo's `model_type` "mimo", which only its remote code defines
+    (a Qwen2 trunk: "qwen2")."""
     renamed = hf_config.get("model_type") == "mimo"
     if not hf_weights.fp8_block_size(hf_config) and not renamed:
         return model_dir, config
