@@ -2407,7 +2407,9 @@ def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_ro
                                   "'reward_model.ground_truth' (--answer-key)")
     with pytest.raises(tasks.InputError) as refused:
         tasks.load_examples(verl, prompt_key="question")
-    assert str(refused.value) == f"--data {verl}: row 1 has no key 'question' (--prompt-key)"
+    # Every bad row is named, each with its file.
+    assert str(refused.value).split("\n  ") == [f"--data {verl}: 2 bad rows:"] + [
+        f"--data {verl}: row {row} has no key 'question' (--prompt-key)" for row in (1, 2)]
     with pytest.raises(tasks.InputError) as refused:
         tasks.load_examples(custom, "question", "meta.answer")
     assert str(refused.value) == f"--data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
@@ -6003,7 +6005,7 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     missing = str(tmp_path / "missing")
     assert flags.flag_problems(flags.parse_args(["--model", missing, "--resume", missing]), 2) == [
         f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",
-        f"--resume {missing!r}: no such directory; expected auto, never or a checkpoint dir"]
+        f"--resume {missing!r}: no such directory; expected auto, never, afresh or a checkpoint dir"]
 
 
 TRAIN_STEP_PROMPT_LENGTH = 6
