@@ -323,14 +323,14 @@ def check_prompts(examples, tokenizer, max_len, max_new_tokens):
             message["content"] for message in example["prompt"])
         dropped.append((example, _lost_characters(tokenizer, text, ids)))
         unanswerable.append((example, _lost_characters(tokenizer, example["answer"])))
+    _warn_lost(dropped, tokenizer, "prompt", "drops (the policy never sees them)")
+    _warn_lost(unanswerable, tokenizer, "answer", "can never produce (no response can match them exactly)")
     if too_long:
         first, tokens = min(too_long, key=lambda pair: _order(pair[0]))
         raise InputError(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
                          f"{max_new_tokens} new tokens (--max-new-tokens); first: {_named(first)}, "
                          f"{str(first['prompt'])[:80]!r} ({tokens} tokens); expected prompts and --max-new-tokens "
                          f"that sum to at most {max_len}")
-    _warn_lost(dropped, tokenizer, "prompt", "drops (the policy never sees them)")
-    _warn_lost(unanswerable, tokenizer, "answer", "can never produce (no response can match them exactly)")
     return longest
 
 
