@@ -3,7 +3,7 @@ the outputs it will write.
 
     refuse_locked_out(sys.argv[1:])                  # before the heavy imports: a second run on --out
     problems = config_problems(model_dir) or model_files_problems(model_dir)  # [one line each]
-    problems = output_problems(out)                  # --out's files replaceable
+    problems = output_problems(out, parameter_count(model_dir))  # --out writable, room to save
 
 Each check is cheap (headers and metadata only, no tensor is read) and names the file and
 what was expected, so that a broken download or a full disk is one line before any process
@@ -14,7 +14,9 @@ library only, so that train_grpo.py can ask before it imports torch.
 import fcntl
 import glob
 import json
+import math
 import os
+import shutil
 import sys
 
 DEFAULT_OUT = "runs/grpo"
@@ -26,6 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # stops it late (metrics.jsonl at the first step, final/ at the end).
 OUTPUT_NAMES = ("metrics.jsonl", "curves.png", "acceptance_vs_entropy.png", "checkpoints", "final", "tensorboard",
                 "rollout-model", LOCK_FILE)
+# The least a checkpoint and final/ take per parameter: Adam's two fp32 moments (8 bytes)
+# and the weights (at least bf16, 2) in a checkpoint, the weights again in final/ (2).
+MIN_BYTES_PER_PARAMETER = 12
 
 
 # ---------------------------------------------------------------------------------------
@@ -89,11 +94,9 @@ def json_problem(path, what):
     return None if isinstance(value, dict) else f"{path} holds a {type(value).__name__}; expected {what}"
 
 
-def safetensors_problem(path):
-    """Why `path` is not a whole safetensors file, or None: its 8-byte header length, its JSON
-    header, and the bytes the header's tensors end at, against the file's size."""
-    if not os.path.isfile(path):
-        return f"{path} is missing; expected the weights file the index names"
+def read_header(path):
+    """(a safetensors file's JSON header as a dict, its length in bytes), or None where the
+    file has no readable header (too short, not JSON)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little") if size >= 8 else None
@@ -101,33 +104,57 @@ def safetensors_problem(path):
             header = json.loads(f.read(length)) if length is not None and 8 + length <= size else None
         except ValueError:
             header = None
-    if not isinstance(header, dict):
+    return (header, length) if isinstance(header, dict) else None
+
+
+def tensors(header):
+    """The tensor entries of a safetensors header ({dtype, shape, data_offsets} each)."""
+    return [entry for name, entry in header.items() if name != "__metadata__"]
+
+
+def safetensors_problem(path):
+    """Why `path` is not a whole safetensors file, or None: its 8-byte header length, its JSON
+    header, and the bytes the header's tensors end at, against the file's size."""
+    if not os.path.isfile(path):
+        return f"{path} is missing; expected the weights file the index names"
+    size, read = os.path.getsize(path), read_header(path)
+    if read is None:
         return f"{path} ({size} bytes) has no readable safetensors header; expected a whole .safetensors file"
-    end = 8 + length + max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                           default=0)
+    header, length = read
+    end = 8 + length + max((entry["data_offsets"][1] for entry in tensors(header)), default=0)
     if end > size:
         return f"{path} is {size} bytes, its header's tensors end at byte {end}; expected the whole file " \
                "(a truncated download?)"
     return None
 
 
+def weights_files(model_dir):
+    """The weights files of a checkpoint directory: those model.safetensors.index.json names
+    (None where the index does not parse), or without an index every *.safetensors."""
+    index = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if not os.path.exists(index):
+        return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if json_problem(index, "a safetensors index"):
+        return None
+    with open(index) as f:
+        return [os.path.join(model_dir, name) for name in sorted(set(json.load(f).get("weight_map", {}).values()))]
+
+
 def weights_problems(model_dir):
     """[why] the weights are not all there: every file model.safetensors.index.json names,
     or without an index every *.safetensors of the folder (at least one)."""
-    index = os.path.join(model_dir, SAFETENSORS_INDEX)
-    if os.path.exists(index):
-        problem = json_problem(index, "a safetensors index (its weight_map)")
-        if problem:
-            return [problem]
-        with open(index) as f:
-            files = sorted(set(json.load(f).get("weight_map", {}).values()))
-        paths = [os.path.join(model_dir, name) for name in files]
-    else:
-        paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    paths = weights_files(model_dir)
+    if paths is None:
+        return [json_problem(os.path.join(model_dir, SAFETENSORS_INDEX), "a safetensors index (its weight_map)")]
     if not paths:
         return [f"--model {model_dir}: no weights there; expected model.safetensors (or {SAFETENSORS_INDEX} and "
                 "the files it names)"]
     return [problem for problem in map(safetensors_problem, paths) if problem]
+
+
+def parameter_count(model_dir):
+    """How many numbers the model's weights hold, from their headers (whole files: `weights_problems`)."""
+    return sum(math.prod(entry["shape"]) for path in weights_files(model_dir) for entry in tensors(read_header(path)[0]))
 
 
 def config_problems(model_dir):
@@ -157,11 +184,22 @@ def model_files_problems(model_dir):
 # The outputs
 # ---------------------------------------------------------------------------------------
 
-def output_problems(out):
+def output_problems(out, parameters=0):
     """[one line per entry] of `out` (the folder itself, and what the run writes or replaces
     in it: OUTPUT_NAMES) that exists but this process cannot write: an immutable or
-    read-only metrics.jsonl or final/ stopped a run at its first step or its end."""
+    read-only metrics.jsonl or final/ stopped a run at its first step or its end; and one
+    when the disk under `out` has less free space than a model of `parameters` numbers
+    needs for a checkpoint and final/ (at least MIN_BYTES_PER_PARAMETER each)."""
     paths = [out] + [os.path.join(out, name) for name in OUTPUT_NAMES]
-    return [f"--out {out}: {path} is not writable by this run (read-only or immutable); expected a "
-            f"{'folder' if os.path.isdir(path) else 'file'} it can replace: change its permissions or pass another "
-            "--out" for path in paths if os.path.exists(path) and not os.access(path, os.W_OK)]
+    problems = [f"--out {out}: {path} is not writable by this run (read-only or immutable); expected a "
+                f"{'folder' if os.path.isdir(path) else 'file'} it can replace: change its permissions or pass "
+                "another --out" for path in paths if os.path.exists(path) and not os.access(path, os.W_OK)]
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free, needed = shutil.disk_usage(existing).free, parameters * MIN_BYTES_PER_PARAMETER
+    if free < needed:
+        problems.append(f"--out {out}: {free} bytes are free on its disk ({existing}); a checkpoint and final/ of "
+                        f"this model's {parameters} parameters need at least {needed}: free some space or pass "
+                        "another --out")
+    return problems

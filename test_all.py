@@ -6337,6 +6337,25 @@ def test_train_grpo_an_output_it_cannot_replace_is_refused_before_any_work(tmp_p
         subprocess.run(["chattr", "-i", metrics], check=True)
 
 
+def test_train_grpo_a_disk_without_room_for_a_save_and_final_is_refused_before_any_work(tiny_checkpoint, tmp_path,
+                                                                                       monkeypatch):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        out = str(disk / "run")
+        message = _refused_by_main(["--model", tiny_checkpoint, "--out", out], monkeypatch)
+        parameters = sum(tensor.numel() for tensor in load_file(os.path.join(tiny_checkpoint,
+                                                                              "model.safetensors")).values())
+        assert message == (f"train_grpo.py: --out {out}: {shutil.disk_usage(disk).free} bytes are free on its disk "
+                           f"({disk}); a checkpoint and final/ of this model's {parameters} parameters need at least "
+                           f"{12 * parameters}: free some space or pass another --out")
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_train_grpo_second_run_on_a_locked_out_is_refused_before_the_heavy_imports(tmp_path):
     out = str(tmp_path / "run")
     held = checkpoint.lock_out(out)

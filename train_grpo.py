@@ -490,7 +490,8 @@ def prepare(args, world_size):
             raise usage_error(f"--plan: {error}") from None
         print(memory_plan.format_plan(plan, hf_config), flush=True)
         return None
-    problems = (preflight.model_files_problems(s.model) if s.model else []) + preflight.output_problems(s.out)
+    problems = preflight.model_files_problems(s.model) if s.model else []
+    problems = problems or preflight.output_problems(s.out, preflight.parameter_count(s.model) if s.model else 0)
     if problems:
         raise usage_error("\n  ".join(["bad files:"] + problems) if len(problems) > 1 else problems[0])
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
