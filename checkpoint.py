@@ -414,8 +414,9 @@ def resume_changes(resume_dir, settings):
     each, then and now, and so is --steps below the checkpoint's step."""
     meta = read_meta(resume_dir)
     if settings["steps"] < meta["step"]:
-        raise CheckpointError(f"--steps {settings['steps']}: {resume_dir} was saved after step {meta['step']}; expected "
-                              f"--steps {meta['step']} or more to continue it (or --resume never and another --out)")
+        raise CheckpointError(f"--steps {settings['steps']}: {resume_dir} was saved after step {meta['step']}; "
+                              f"expected --steps {meta['step']} or more to continue it (or --resume never and another "
+                              "--out)")
     saved = {**SETTINGS_BEFORE_THEY_EXISTED, **meta.get("flags", {})}
     changed = {name: (saved[name], value) for name, value in settings.items() if name in saved and saved[name] != value}
 

@@ -2,8 +2,8 @@
 the outputs it will write.
 
     refuse_locked_out(sys.argv[1:])                  # before the heavy imports: a second run on --out
-    problems = config_problems(model_dir) or model_files_problems(model_dir)  # [one line each]
-    problems = output_problems(out, parameter_count(model_dir))  # --out writable, room to save
+    problems = config_problems(model_dir)            # config.json there and parsing (flags.py asks)
+    problems = run_problems(model_dir, out)          # weights, tokenizer, --out writable, room to save
 
 Each check is cheap (headers and metadata only, no tensor is read) and names the file and
 what was expected, so that a broken download or a full disk is one line before any process
@@ -154,7 +154,8 @@ def weights_problems(model_dir):
 
 def parameter_count(model_dir):
     """How many numbers the model's weights hold, from their headers (whole files: `weights_problems`)."""
-    return sum(math.prod(entry["shape"]) for path in weights_files(model_dir) for entry in tensors(read_header(path)[0]))
+    return sum(math.prod(entry["shape"]) for path in weights_files(model_dir)
+               for entry in tensors(read_header(path)[0]))
 
 
 def config_problems(model_dir):
@@ -203,3 +204,10 @@ def output_problems(out, parameters=0):
                         f"this model's {parameters} parameters need at least {needed}: free some space or pass "
                         "another --out")
     return problems
+
+
+def run_problems(model_dir, out):
+    """[one line per problem] before a run: `model_dir`'s files (None: the built-in model,
+    written by the run), then, once they hold, `out`'s (`output_problems`)."""
+    problems = model_files_problems(model_dir) if model_dir else []
+    return problems or output_problems(out, parameter_count(model_dir) if model_dir else 0)

@@ -333,9 +333,8 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
     with timer("process group"):
         rank, world_size, device = init_distributed()
         lock = lock_out(s.out, rank)
-        if rank == 0 and s.resume in ("auto", "afresh"):
-            for aside in checkpoint.set_aside_failed(s.out, resume_dir):
-                print(f"train_grpo.py: set aside {aside}: it failed verification", file=sys.stderr, flush=True)
+        if rank == 0 and s.resume in ("auto", "afresh"):  # choose_checkpoint's warnings said so
+            checkpoint.set_aside_failed(s.out, resume_dir)
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     with timer("model files"):
@@ -490,8 +489,7 @@ def prepare(args, world_size):
             raise usage_error(f"--plan: {error}") from None
         print(memory_plan.format_plan(plan, hf_config), flush=True)
         return None
-    problems = preflight.model_files_problems(s.model) if s.model else []
-    problems = problems or preflight.output_problems(s.out, preflight.parameter_count(s.model) if s.model else 0)
+    problems = preflight.run_problems(s.model, s.out)
     if problems:
         raise usage_error("\n  ".join(["bad files:"] + problems) if len(problems) > 1 else problems[0])
     resume_dir = refusing(checkpoint.choose_checkpoint, s.out, s.resume, run_layout(s, world_size))
@@ -513,17 +511,15 @@ def refused_on_any_rank(function, *args):
     except SystemExit as error:
         result, refusal = None, error
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not (refusal is None and result is None):  # --plan makes no process group
+    if world_size > 1 and (refusal is not None or result is not None):  # --plan (None) makes no process group
         init_distributed()
         said = [None] * world_size
         dist.all_gather_object(said, None if refusal is None else str(refusal.code))
-        ranks = {}
-        for rank, message in enumerate(said):
-            if message is not None:
-                ranks.setdefault(message, []).append(str(rank))
-        if ranks:
-            raise SystemExit("\n".join(message if len(found) == world_size else message.replace(
-                "train_grpo.py: ", f"train_grpo.py: rank {', '.join(found)}: ", 1) for message, found in ranks.items()))
+        found = {message: [str(rank) for rank, text in enumerate(said) if text == message]
+                 for message in said if message}
+        if found:
+            raise SystemExit("\n".join(message if len(ranks) == world_size else message.replace(
+                "train_grpo.py: ", f"train_grpo.py: rank {', '.join(ranks)}: ", 1) for message, ranks in found.items()))
     if refusal is not None:
         raise refusal
     return result
