@@ -657,8 +657,7 @@ def save_hf_checkpoint(model, source_dir, out_dir):
 
 
 class ExportError(OSError):
-    """A HF export that could not be written (a full disk); the message names the folder and
-    why. The folder is as it was before (`save_hf_checkpoint` publishes it whole)."""
+    """A HF export that could not be written (a full disk), named with why; its folder is as it was."""
 
 
 def copy_hf_metadata(source_dir, out_dir):

@@ -190,7 +190,8 @@ def output_problems(out, parameters=0):
     in it: OUTPUT_NAMES) that exists but this process cannot write: an immutable or
     read-only metrics.jsonl or final/ stopped a run at its first step or its end; and one
     when the disk under `out` has less free space than a model of `parameters` numbers
-    needs for a checkpoint and final/ (at least MIN_BYTES_PER_PARAMETER each)."""
+    needs for a checkpoint and final/ (at least MIN_BYTES_PER_PARAMETER each); one when a
+    folder above `out` is a file."""
     paths = [out] + [os.path.join(out, name) for name in OUTPUT_NAMES]
     problems = [f"--out {out}: {path} is not writable by this run (read-only or immutable); expected a "
                 f"{'folder' if os.path.isdir(path) else 'file'} it can replace: change its permissions or pass "
@@ -198,6 +199,8 @@ def output_problems(out, parameters=0):
     existing = os.path.abspath(out)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    if existing != os.path.abspath(out) and not os.path.isdir(existing):
+        return [f"--out {out}: {existing} is a file; expected folders above --out (the run makes the missing ones)"]
     free, needed = shutil.disk_usage(existing).free, parameters * MIN_BYTES_PER_PARAMETER
     if free < needed:
         problems.append(f"--out {out}: {free} bytes are free on its disk ({existing}); a checkpoint and final/ of "

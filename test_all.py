@@ -6320,6 +6320,12 @@ def test_train_grpo_broken_model_files_are_named_before_the_process_group(kind, 
 
 
 def test_train_grpo_an_output_it_cannot_replace_is_refused_before_any_work(tmp_path, monkeypatch):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("someone's notes")
+    assert _refused_by_main(["--out", str(a_file / "run")], monkeypatch) == (
+        f"train_grpo.py: --out {a_file / 'run'}: {a_file} is a file; expected folders above --out (the run makes the "
+        "missing ones)")
+    assert a_file.read_text() == "someone's notes"
     out = str(tmp_path / "run")
     run_in_processes(_save_resumable, args=(out, ["--out", out], 2))
     metrics = os.path.join(out, "metrics.jsonl")
