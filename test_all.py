@@ -49,6 +49,7 @@ import grpo_loss
 import hf_weights
 import megatron_model
 import memory_plan
+import preflight
 import mtp_matrix
 import mtp_patch
 import pipeline
@@ -6185,6 +6186,40 @@ def test_train_grpo_stops_on_prompts_longer_than_the_context_before_any_model(tm
     data.write_text(json.dumps({"prompt": "x" * 1100, "answer": "1"}) + "\n" + json.dumps({"prompt": "ok", "answer": "2"}))
     message, = run_in_processes(_main_with_flags, args=(["--data", str(data), "--out", str(tmp_path / "out")],))
     assert message.startswith("train_grpo.py: 1 prompt(s) do not fit the context of ") and "'xxxx" in message
+
+
+# ---------------------------------------------------------------------------------------
+# preflight: what a run needs from the disk before it starts
+# ---------------------------------------------------------------------------------------
+
+def test_preflight_reads_weights_headers_and_the_index_and_finds_out_as_argparse_does(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(model / "part-1.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(model / "part-2.safetensors"))
+    assert preflight.weights_problems(str(model)) == [] and preflight.parameter_count(str(model)) == 12 + 5 + 8
+    # An index names the files: one it names that is missing is named; others beside it are not read.
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "part-1.safetensors", "z": "part-3.safetensors"}}))
+    assert preflight.weights_problems(str(model)) == [
+        f"{model}/part-3.safetensors is missing; expected the weights file the index names"]
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    assert preflight.parameter_count(str(model)) == 17
+    # One byte short of its last tensor, and a file too short for a header.
+    cut = model / "part-1.safetensors"
+    size = cut.stat().st_size
+    with open(cut, "r+b") as f:
+        f.truncate(size - 1)
+    assert preflight.weights_problems(str(model)) == [
+        f"{cut} is {size - 1} bytes, its header's tensors end at byte {size}; expected the whole file (a truncated "
+        "download?)"]
+    cut.write_bytes(b"\x01\x02")
+    assert preflight.weights_problems(str(model)) == [
+        f"{cut} (2 bytes) has no readable safetensors header; expected a whole .safetensors file"]
+    # --out as argparse takes it, before the parser exists.
+    assert [preflight.out_flag(argv) for argv in ([], ["--out", "a"], ["--steps", "3", "--out=b"], ["--out"])] == [
+        preflight.DEFAULT_OUT, "a", "b", preflight.DEFAULT_OUT]
+    assert flags.parse_args([]).out == preflight.DEFAULT_OUT
 
 
 # ---------------------------------------------------------------------------------------
