@@ -36,11 +36,15 @@ import time
 import torch
 import torch.distributed as dist
 
+import preflight
+
 CHECKPOINTS_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 FINAL_DIR = "final"
 CHECKPOINT_META = "meta.json"
-LOCK_FILE = ".lock"
+LOCK_FILE = preflight.LOCK_FILE
+# The suffix of a checkpoint that failed verification, set aside by `choose_checkpoint`.
+CORRUPT = "corrupt"
 # What a save writes beyond its tensors' bytes (pickled structure, meta.json), at least.
 SAVE_OVERHEAD_BYTES = 2**20
 DIGEST_BYTES = hashlib.sha256().digest_size
@@ -76,8 +80,7 @@ def lock_out(out):
         lock.seek(0)
         holder = lock.read().strip() or "a process that wrote nothing yet"
         lock.close()
-        raise CheckpointError(f"--out {out} is in use by another run ({holder}); wait for it to end or pass "
-                              "another --out") from None
+        raise CheckpointError(preflight.locked_out_message(out, holder)) from None
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
@@ -88,14 +91,7 @@ def lock_out(out):
 
 def in_use(out):
     """Whether a live run holds OUT/.lock (`lock_out`'s refusal then names it)."""
-    try:
-        with open(os.path.join(out, LOCK_FILE)) as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except FileNotFoundError:
-        return False
-    except BlockingIOError:
-        return True
-    return False
+    return preflight.out_holder(out) is not None
 
 
 class StopRequest:
@@ -250,8 +246,12 @@ def checkpoint_dirs(root):
 
 def set_aside(directory, why):
     """Rename a published checkpoint (rank 0) so that no resume picks it again: a checkpoint
-    whose files are whole but whose first step gives a non-finite loss; returns the new name."""
-    aside = f"{directory}.{why}"
+    whose files are whole but whose first step gives a non-finite loss, or one that failed
+    verification; returns the new name."""
+    aside, copies = f"{directory}.{why}", 1
+    while os.path.exists(aside):  # set aside before: each kept
+        copies += 1
+        aside = f"{directory}.{why}{copies}"
     os.replace(directory, aside)
     return aside
 
@@ -292,9 +292,10 @@ def out_problems(out, resume):
     if resume == "never" and checkpoint_dirs(os.path.join(out, CHECKPOINTS_DIR)):
         return [f"--resume never: {os.path.join(out, CHECKPOINTS_DIR)} holds checkpoints of an earlier run; "
                 "expected a fresh --out (or --resume auto to continue it)"]
-    if resume not in ("auto", "never") and not os.path.isdir(resume):
-        return [f"--resume {resume!r}: no such directory; expected auto, never or a checkpoint dir"]
-    return another_runs_files(out) + metrics_problems(os.path.join(out, METRICS_FILE))
+    if resume not in ("auto", "never", "afresh") and not os.path.isdir(resume):
+        return [f"--resume {resume!r}: no such directory; expected auto, never, afresh or a checkpoint dir"]
+    # afresh replaces the run's files by request (its checkpoints are checked to have failed).
+    return [] if resume == "afresh" else another_runs_files(out) + metrics_problems(os.path.join(out, METRICS_FILE))
 
 
 def another_runs_files(out):
@@ -338,15 +339,21 @@ def choose_checkpoint(out, resume, layout):
     """
     if resume == "never":
         return None
-    root = os.path.join(out, CHECKPOINTS_DIR) if resume == "auto" else resume
+    root = os.path.join(out, CHECKPOINTS_DIR) if resume in ("auto", "afresh") else resume
     candidates = [root] if os.path.isfile(os.path.join(root, CHECKPOINT_META)) else checkpoint_dirs(root)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    failed = []
     for directory in candidates:
         problem = checkpoint_problem(directory)
         if problem is not None:
-            if rank0:
-                print(f"train_grpo.py: warning: checkpoint {directory} skipped: {problem}", file=sys.stderr, flush=True)
+            failed.append(f"{directory} ({problem})")
             continue
+        if resume == "afresh":
+            raise CheckpointError(f"--resume afresh: {directory} is a complete checkpoint; expected --resume auto to "
+                                  "continue from it (afresh starts only an --out whose every checkpoint failed)")
+        for skipped in failed if rank0 else ():
+            print(f"train_grpo.py: warning: checkpoint {skipped.replace(' (', ' skipped: ', 1)[:-1]}; it is set "
+                  f"aside as step_N.{CORRUPT} when the run starts", file=sys.stderr, flush=True)
         saved = read_meta(directory)
         if "sha256" not in saved and rank0:
             print(f"train_grpo.py: note: checkpoint {directory} has no checksums (saved before they were recorded); "
@@ -358,10 +365,24 @@ def choose_checkpoint(out, resume, layout):
                 f"{key} {now!r}" for key, (_, now) in different.items()) + " (resume with the same layout, or "
                 "pass --resume never and another --out)")
         return directory
-    if resume != "auto":
+    if resume not in ("auto", "afresh"):
         raise CheckpointError(f"--resume {resume!r}: no complete checkpoint there; expected a checkpoint dir "
                               f"(OUT/checkpoints/step_N) or a run's OUT/checkpoints")
+    if failed and resume == "auto":
+        raise CheckpointError(f"--resume auto: every checkpoint in {root} failed verification, so none can be "
+                              f"resumed: {'; '.join(failed)}. Nothing was changed; pass --resume afresh to start "
+                              f"this --out again from step 1 (each is then set aside as step_N.{CORRUPT}, and its "
+                              "metrics.jsonl and final/ are replaced)")
     return None
+
+
+def set_aside_failed(out, resume_dir):
+    """Rank 0, holding the lock, before any save: the checkpoints `choose_checkpoint` found
+    failed (every one newer than `resume_dir`; None: every one, --resume afresh) set aside
+    as step_N.corrupt, where no save overwrites and no pruning deletes them. Returns their new names."""
+    resumed = os.path.basename(resume_dir) if resume_dir else ""
+    return [set_aside(directory, CORRUPT) for directory in checkpoint_dirs(os.path.join(out, CHECKPOINTS_DIR))
+            if os.path.basename(directory) > resumed]
 
 
 def read_meta(directory):
@@ -390,8 +411,13 @@ def resume_changes(resume_dir, settings):
     """The settings (`settings`: the run's resolved flags by name) this run has otherwise than
     the checkpoint in `resume_dir` was saved with (its meta.json), as flags ("--steps 8 (was
     5)"; "" for none): those RESUME_MAY_CHANGE allows; any other is a CheckpointError naming
-    each, then and now."""
-    saved = {**SETTINGS_BEFORE_THEY_EXISTED, **read_meta(resume_dir).get("flags", {})}
+    each, then and now, and so is --steps below the checkpoint's step."""
+    meta = read_meta(resume_dir)
+    if settings["steps"] < meta["step"]:
+        raise CheckpointError(f"--steps {settings['steps']}: {resume_dir} was saved after step {meta['step']}; "
+                              f"expected --steps {meta['step']} or more to continue it (or --resume never and another "
+                              "--out)")
+    saved = {**SETTINGS_BEFORE_THEY_EXISTED, **meta.get("flags", {})}
     changed = {name: (saved[name], value) for name, value in settings.items() if name in saved and saved[name] != value}
 
     def described(names):

@@ -30,6 +30,7 @@ import draft_tuner
 import forward
 import grpo_loss
 import memory_plan
+import preflight
 import rollout
 import spec_config
 import tasks
@@ -52,8 +53,8 @@ DEFAULT_SAMPLING_ROUNDS = 4
 
 
 def usage_error(message):
-    """The SystemExit for bad input: rank 0 prints `message`, every process exits non-zero."""
-    return SystemExit(f"train_grpo.py: {message}" if int(os.environ.get("RANK", "0")) == 0 else 2)
+    """The SystemExit for bad input, `message` on every rank (train_grpo says it once, on rank 0)."""
+    return SystemExit(f"train_grpo.py: {message}")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -142,7 +143,7 @@ def add_data_flags(p):
 
 
 def add_output_flags(p):
-    p.add_argument("--out", default="runs/grpo",
+    p.add_argument("--out", default=preflight.DEFAULT_OUT,
                    help="metrics.jsonl, curves.png, tensorboard/ event files, checkpoints, final HF dir")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="also write every metric to TensorBoard event files under OUT/tensorboard")
@@ -155,8 +156,9 @@ def add_output_flags(p):
     p.add_argument("--resume", default="auto",
                    help="auto: continue from the newest complete checkpoint in OUT/checkpoints if there is one, "
                         "else start fresh (so torchrun --max-restarts survives a killed worker); never: start fresh "
-                        "(refused if OUT holds checkpoints); or a checkpoint dir (OUT/checkpoints/step_N, or a run's "
-                        "OUT/checkpoints for its newest)")
+                        "(refused if OUT holds checkpoints); afresh: start fresh where every checkpoint in OUT failed "
+                        "verification (they are set aside as step_N.corrupt); or a checkpoint dir (OUT/checkpoints/"
+                        "step_N, or a run's OUT/checkpoints for its newest)")
     p.add_argument("--resume-with-changed-inputs", action="store_true",
                    help="resume although --data, --eval-data or the --reward file differ in content from what the "
                         "checkpoint's run read (refused by default: the data a run trains on, and its held-out set, "
@@ -375,8 +377,8 @@ def layout_problems(args, world_size):
         problems.append(f"--mini-batches {args.mini_batches} x --micro-batches {args.micro_batches}: expected a "
                         f"divisor of the {sequences} sequences per step (--prompts-per-step x --group-size)")
     problems += token_budget_problems(args)
-    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
-        problems.append(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint dir")
+    if args.model is not None:  # config.json read whole before any check of its fields
+        problems += preflight.config_problems(args.model)
     if args.model is not None and args.builtin_model is not None:
         problems.append(f"--builtin-model {args.builtin_model}: only used without --model (this run has --model "
                         f"{args.model!r})")

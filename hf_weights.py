@@ -58,6 +58,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 import qwen35_names
@@ -625,23 +626,38 @@ def save_hf_checkpoint(model, source_dir, out_dir):
     Call on every rank (tensor-parallel shards are gathered); global rank 0 writes, the
     others wait until it has. The result loads in vLLM and transformers like the source
     checkpoint. It is written beside `out_dir` and renamed into place whole, so `out_dir`
-    is never half written, with the files' permissions the umask gives. Returns `out_dir`.
+    is never half written, with the files' permissions the umask gives. Returns `out_dir`;
+    a write that fails (a full disk) leaves no `.partial` and is an ExportError on every rank.
     """
     writes = not dist.is_initialized() or dist.get_rank() == 0
     tensors = {}
     for name, tensor in megatron_to_hf(model):  # every rank takes part in the gathers
         if writes:
             tensors[name] = tensor.to("cpu", copy=True).contiguous()
+    problem = None
     if writes:
         staging = out_dir.rstrip("/") + ".partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-        copy_hf_metadata(source_dir, staging)
-        save_file(tensors, os.path.join(staging, SAFETENSORS_FILE), metadata={"format": "pt"})
-        _publish(staging, out_dir)
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+            copy_hf_metadata(source_dir, staging)
+            save_file(tensors, os.path.join(staging, SAFETENSORS_FILE), metadata={"format": "pt"})
+            _publish(staging, out_dir)
+        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
+            shutil.rmtree(staging, ignore_errors=True)
+            problem = f"{out_dir} could not be written ({error}); nothing of it was left behind"
     if dist.is_initialized():
-        dist.barrier()
+        # Rank 0's verdict reaches every rank (it also waits for rank 0's write, as a barrier would).
+        holder = [problem]
+        dist.broadcast_object_list(holder, src=0)
+        problem = holder[0]
+    if problem:
+        raise ExportError(problem)
     return out_dir
+
+
+class ExportError(OSError):
+    """A HF export that could not be written (a full disk), named with why; its folder is as it was."""
 
 
 def copy_hf_metadata(source_dir, out_dir):

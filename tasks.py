@@ -102,6 +102,8 @@ NUMERIC_TOLERANCE = 1e-6
 # within a minute or two even with retries; one past five minutes is stuck.
 REWARD_TIMEOUT_S = 300.0
 UTF8_BOM = "\ufeff"
+# A data file's bad rows named in its refusal; the rest are counted.
+MAX_BAD_ROWS_SHOWN = 20
 SEED_STRIDE = 1_000_003  # a prime: seeds of (seed, step, engine) never collide in practice
 
 
@@ -147,7 +149,8 @@ def task_examples(task, symbols, count_step=1, weighted=False):
 
 def read_rows(path, flag="--data"):
     """[(row number, record)] of a .jsonl or .parquet file; numbers are 1-based (a JSONL
-    file's line numbers: blank lines are skipped but counted)."""
+    file's line numbers: blank lines are skipped but counted). A JSONL row that is not UTF-8
+    JSON is an InputError in place of its record: `load_examples` names every bad row."""
     if path.endswith(".parquet"):
         import pyarrow  # only a Parquet file needs it
         import pyarrow.parquet
@@ -162,8 +165,10 @@ def read_rows(path, flag="--data"):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise InputError(f"{flag} {path}: row {number} is not UTF-8 text (byte {raw[error.start]:#04x} at "
-                                 f"column {error.start + 1}); expected UTF-8 JSON lines") from None
+                rows.append((number, InputError(f"{flag} {path}: row {number} is not UTF-8 text (byte "
+                                                f"{raw[error.start]:#04x} at column {error.start + 1}); expected UTF-8 "
+                                                "JSON lines")))
+                continue
             if number == 1:
                 line = line.removeprefix(UTF8_BOM)  # an editor's "UTF-8 with BOM"
             if not line.strip():
@@ -171,7 +176,7 @@ def read_rows(path, flag="--data"):
             try:
                 rows.append((number, json.loads(line)))
             except json.JSONDecodeError as error:
-                raise InputError(f"{flag} {path}: row {number} is not JSON ({error.msg})") from None
+                rows.append((number, InputError(f"{flag} {path}: row {number} is not JSON ({error.msg})")))
     return rows
 
 
@@ -203,38 +208,55 @@ def load_examples(path, prompt_key=DEFAULT_PROMPT_KEY, answer_key=None, flag="--
 
     prompt: a string, or a list of {role, content} messages (templated at tokenization);
     answer: a string (a NaN is refused); source ("FLAG FILE") and row (1-based) name the
-    example in later messages. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. A
-    bad row is an InputError naming `flag`, the file, its row number and the key.
+    example in later messages. `answer_key` None tries DEFAULT_ANSWER_KEYS in order. Bad
+    rows are one InputError naming each (up to MAX_BAD_ROWS_SHOWN, then how many more):
+    `flag`, the file, its row number and the key.
     """
     answer_keys = DEFAULT_ANSWER_KEYS if answer_key is None else (answer_key,)
-    examples = []
+    examples, problems = [], []
     for number, record in read_rows(path, flag):
-        where = f"{flag} {path}: row {number}"
-        if not isinstance(record, dict):
-            raise InputError(f"{where} is {type(record).__name__}, expected an object of named fields")
-        prompt = lookup(record, prompt_key)
-        if prompt is ABSENT:
-            raise InputError(f"{where} has no key {prompt_key!r} (--prompt-key)")
-        if not isinstance(prompt, str) and not is_chat(prompt):
-            raise InputError(f"{where}: {prompt_key!r} is {str(prompt)[:80]!r}; expected a string or a list of "
-                             "{role, content} chat messages")
-        if not (prompt.strip() if isinstance(prompt, str) else any(m["content"].strip() for m in prompt)):
-            raise InputError(f"{where}: {prompt_key!r} is empty; expected a prompt with some text")
-        key, answer = next(((key, value) for key, value in ((key, lookup(record, key)) for key in answer_keys)
-                            if value is not ABSENT), (None, ABSENT))
-        if answer is ABSENT:
-            raise InputError(f"{where} has no key {' nor '.join(map(repr, answer_keys))} (--answer-key)")
-        if answer is None:
-            raise InputError(f"{where}: {key!r} is null; expected a string or a number as the answer")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise InputError(f"{where}: answer {str(answer)[:80]!r} is {type(answer).__name__}; expected a string "
-                             "or a number")
-        if isinstance(answer, float) and math.isnan(answer):
-            raise InputError(f"{where}: {key!r} is NaN, which no response can equal; expected a string or a number")
-        examples.append({"prompt": prompt, "answer": str(answer), "source": f"{flag} {path}", "row": number})
+        try:
+            if isinstance(record, InputError):
+                raise record
+            prompt, answer = _prompt_and_answer(record, f"{flag} {path}: row {number}", prompt_key, answer_keys)
+            examples.append({"prompt": prompt, "answer": answer, "source": f"{flag} {path}", "row": number})
+        except InputError as error:
+            problems.append(str(error))
+    if len(problems) > 1:
+        shown = problems[:MAX_BAD_ROWS_SHOWN] + ([f"and {len(problems) - MAX_BAD_ROWS_SHOWN} more bad rows"]
+                                                 if len(problems) > MAX_BAD_ROWS_SHOWN else [])
+        raise InputError("\n  ".join([f"{flag} {path}: {len(problems)} bad rows:"] + shown))
+    if problems:
+        raise InputError(problems[0])
     if not examples:
         raise InputError(f"{flag} {path}: no examples")
     return examples
+
+
+def _prompt_and_answer(record, where, prompt_key, answer_keys):
+    # (prompt, answer as a string) of one row, or an InputError naming it (`where`: "FLAG FILE: row N").
+    if not isinstance(record, dict):
+        raise InputError(f"{where} is {type(record).__name__}, expected an object of named fields")
+    prompt = lookup(record, prompt_key)
+    if prompt is ABSENT:
+        raise InputError(f"{where} has no key {prompt_key!r} (--prompt-key)")
+    if not isinstance(prompt, str) and not is_chat(prompt):
+        raise InputError(f"{where}: {prompt_key!r} is {str(prompt)[:80]!r}; expected a string or a list of "
+                         "{role, content} chat messages")
+    if not (prompt.strip() if isinstance(prompt, str) else any(m["content"].strip() for m in prompt)):
+        raise InputError(f"{where}: {prompt_key!r} is empty; expected a prompt with some text")
+    key, answer = next(((key, value) for key, value in ((key, lookup(record, key)) for key in answer_keys)
+                        if value is not ABSENT), (None, ABSENT))
+    if answer is ABSENT:
+        raise InputError(f"{where} has no key {' nor '.join(map(repr, answer_keys))} (--answer-key)")
+    if answer is None:
+        raise InputError(f"{where}: {key!r} is null; expected a string or a number as the answer")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise InputError(f"{where}: answer {str(answer)[:80]!r} is {type(answer).__name__}; expected a string "
+                         "or a number")
+    if isinstance(answer, float) and math.isnan(answer):
+        raise InputError(f"{where}: {key!r} is NaN, which no response can equal; expected a string or a number")
+    return prompt, str(answer)
 
 
 def split_examples(examples, eval_examples, seed, task, count_step=1):
@@ -293,11 +315,12 @@ def prompt_token_ids(tokenizer, prompt):
 
 
 def check_prompts(examples, tokenizer, max_len, max_new_tokens):
-    """Every prompt of a data set, once, before any work: refuse chat prompts without a chat
-    template, a prompt that encodes to no token (the rollout engine refuses it when it is
-    first sampled, maybe hours in) or too long for the context; warn once (rank 0, on
-    stderr) about characters the tokenizer drops from prompts, or can never produce for an
-    answer (exact match cannot score it), naming the row and the characters. Returns the
+    """Every prompt of a data set or built-in task, once, before any work: refuse chat prompts
+    without a chat template, a prompt that encodes to no token (the rollout engine refuses
+    it when it is first sampled, maybe hours in) or too long for the context with
+    `max_new_tokens` (naming the first such row); warn once (rank 0, on stderr) about
+    characters the tokenizer drops from prompts, or can never produce for an answer (exact
+    match cannot score it), naming the first such row and the characters. Returns the
     longest prompt's token count."""
     if any(not isinstance(e["prompt"], str) for e in examples) and not tokenizer.chat_template:
         raise InputError(f"--data has chat-message prompts but {tokenizer.name_or_path}'s tokenizer has no chat "
@@ -310,16 +333,19 @@ def check_prompts(examples, tokenizer, max_len, max_new_tokens):
             raise InputError(f"{_named(example)}: the prompt {str(example['prompt'])[:80]!r} encodes to no token "
                              f"with {tokenizer.name_or_path}'s tokenizer; expected text in its vocabulary")
         if len(ids) + max_new_tokens > max_len:
-            too_long.append(example["prompt"])
+            too_long.append((example, len(ids)))
         text = example["prompt"] if isinstance(example["prompt"], str) else "".join(
             message["content"] for message in example["prompt"])
         dropped.append((example, _lost_characters(tokenizer, text, ids)))
         unanswerable.append((example, _lost_characters(tokenizer, example["answer"])))
-    if too_long:
-        raise InputError(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
-                         f"{max_new_tokens} new tokens; first: {str(too_long[0])[:80]!r}")
     _warn_lost(dropped, tokenizer, "prompt", "drops (the policy never sees them)")
     _warn_lost(unanswerable, tokenizer, "answer", "can never produce (no response can match them exactly)")
+    if too_long:
+        first, tokens = min(too_long, key=lambda pair: _order(pair[0]))
+        raise InputError(f"{len(too_long)} prompt(s) do not fit the context of {max_len} tokens with "
+                         f"{max_new_tokens} new tokens (--max-new-tokens); first: {_named(first)}, "
+                         f"{str(first['prompt'])[:80]!r} ({tokens} tokens); expected prompts and --max-new-tokens "
+                         f"that sum to at most {max_len}")
     return longest
 
 
@@ -334,13 +360,18 @@ def _lost_characters(tokenizer, text, ids=None):
 
 def _named(example):
     # "--data FILE: row N", where the example came from a data file.
-    return f"{example['source']}: row {example['row']}" if "source" in example else "an example"
+    return f"{example['source']}: row {example['row']}" if "source" in example else "the built-in task's prompt"
+
+
+def _order(example):
+    # A data file's rows in file order (--data before --eval-data), whichever pool holds them.
+    return example.get("source", ""), example.get("row", 0)
 
 
 def _warn_lost(lost, tokenizer, what, consequence):
     lost = [(example, characters) for example, characters in lost if characters]
     if lost and int(os.environ.get("RANK", "0")) == 0:
-        example, characters = lost[0]
+        example, characters = min(lost, key=lambda pair: _order(pair[0]))
         print(f"train_grpo.py: warning: {len(lost)} {what}(s) hold characters that {tokenizer.name_or_path}'s "
               f"tokenizer {consequence}; first: {_named(example)}, {characters!r} in {str(example[what])[:80]!r}",
               file=sys.stderr, flush=True)

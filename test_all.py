@@ -49,6 +49,7 @@ import grpo_loss
 import hf_weights
 import megatron_model
 import memory_plan
+import preflight
 import mtp_matrix
 import mtp_patch
 import mtp_policy_target
@@ -2431,7 +2432,9 @@ def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_ro
                                   "'reward_model.ground_truth' (--answer-key)")
     with pytest.raises(tasks.InputError) as refused:
         tasks.load_examples(verl, prompt_key="question")
-    assert str(refused.value) == f"--data {verl}: row 1 has no key 'question' (--prompt-key)"
+    # Every bad row is named, each with its file.
+    assert str(refused.value).split("\n  ") == [f"--data {verl}: 2 bad rows:"] + [
+        f"--data {verl}: row {row} has no key 'question' (--prompt-key)" for row in (1, 2)]
     with pytest.raises(tasks.InputError) as refused:
         tasks.load_examples(custom, "question", "meta.answer")
     assert str(refused.value) == f"--data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
@@ -6075,7 +6078,7 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
     missing = str(tmp_path / "missing")
     assert flags.flag_problems(flags.parse_args(["--model", missing, "--resume", missing]), 2) == [
         f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",
-        f"--resume {missing!r}: no such directory; expected auto, never or a checkpoint dir"]
+        f"--resume {missing!r}: no such directory; expected auto, never, afresh or a checkpoint dir"]
 
 
 TRAIN_STEP_PROMPT_LENGTH = 6
@@ -6255,6 +6258,329 @@ def test_train_grpo_stops_on_prompts_longer_than_the_context_before_any_model(tm
     data.write_text(json.dumps({"prompt": "x" * 1100, "answer": "1"}) + "\n" + json.dumps({"prompt": "ok", "answer": "2"}))
     message, = run_in_processes(_main_with_flags, args=(["--data", str(data), "--out", str(tmp_path / "out")],))
     assert message.startswith("train_grpo.py: 1 prompt(s) do not fit the context of ") and "'xxxx" in message
+
+
+# ---------------------------------------------------------------------------------------
+# preflight: what a run needs from the disk before it starts
+# ---------------------------------------------------------------------------------------
+
+def test_preflight_reads_weights_headers_and_the_index_and_finds_out_as_argparse_does(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(model / "part-1.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(model / "part-2.safetensors"))
+    assert preflight.weights_problems(str(model)) == [] and preflight.parameter_count(str(model)) == 12 + 5 + 8
+    # An index names the files: one it names that is missing is named; others beside it are not read.
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "part-1.safetensors", "z": "part-3.safetensors"}}))
+    assert preflight.weights_problems(str(model)) == [
+        f"{model}/part-3.safetensors is missing; expected the weights file the index names"]
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    assert preflight.parameter_count(str(model)) == 17
+    # One byte short of its last tensor, and a file too short for a header.
+    cut = model / "part-1.safetensors"
+    size = cut.stat().st_size
+    with open(cut, "r+b") as f:
+        f.truncate(size - 1)
+    assert preflight.weights_problems(str(model)) == [
+        f"{cut} is {size - 1} bytes, its header's tensors end at byte {size}; expected the whole file (a truncated "
+        "download?)"]
+    cut.write_bytes(b"\x01\x02")
+    assert preflight.weights_problems(str(model)) == [
+        f"{cut} (2 bytes) has no readable safetensors header; expected a whole .safetensors file"]
+    # --out as argparse takes it, before the parser exists.
+    assert [preflight.out_flag(argv) for argv in ([], ["--out", "a"], ["--steps", "3", "--out=b"], ["--out"])] == [
+        preflight.DEFAULT_OUT, "a", "b", preflight.DEFAULT_OUT]
+    assert flags.parse_args([]).out == preflight.DEFAULT_OUT
+
+
+# ---------------------------------------------------------------------------------------
+# train_grpo.py: faults and bad input found before any work, each said in one line, nothing lost
+# ---------------------------------------------------------------------------------------
+
+def _files_of(folder):
+    """{path under `folder`: (size, mtime_ns, sha256)} of every file: what a refusal must leave as it was."""
+    found = {}
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(directory, name)
+            found[os.path.relpath(path, folder)] = (os.path.getsize(path), os.stat(path).st_mtime_ns,
+                                                    checkpoint.file_sha256(path))
+    return found
+
+
+def _save_resumable(out, given, step):
+    """A complete save of `step` that main, in a world of one with the flags `given`, resumes from."""
+    cpu_backend.init_distributed()
+    settings = _settings(given)
+    meta = dict(train_grpo.run_layout(settings, 1), flags=vars(settings), inputs={})
+    checkpoint.save_checkpoint(out, step, {"model": {"w": torch.full((64,), float(step))}, "step": step}, meta,
+                               keep=3, rank=0)
+
+
+def _refused_by_main(given, monkeypatch):
+    """main's one refusal of `given` (a world of one), before any process group."""
+    monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
+    with pytest.raises(SystemExit) as refused:
+        train_grpo.main(flags.parse_args(given))
+    return str(refused.value.code)
+
+
+def test_train_grpo_every_save_failing_verification_is_refused_naming_each_and_nothing_is_lost(tmp_path,
+                                                                                               monkeypatch):
+    out = str(tmp_path / "run")
+    root = os.path.join(out, "checkpoints")
+    for step in (4, 5):
+        run_in_processes(_save_resumable, args=(out, ["--out", out], step))
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps({"step": step}) + "\n" for step in range(1, 6)))
+    os.makedirs(os.path.join(out, "final"))
+    with open(os.path.join(out, "final", "model.safetensors"), "wb") as f:
+        f.write(b"the run's exported policy")
+    # One flipped byte in each save (--keep-checkpoints 1 and a bad disk give the same).
+    for step in (4, 5):
+        with open(os.path.join(root, f"step_00000{step}", "rank0.pt"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+    before = _files_of(out)
+    message = _refused_by_main(["--out", out], monkeypatch)
+    assert "\n" not in message and message.startswith(
+        f"train_grpo.py: --resume auto: every checkpoint in {root} failed verification, so none can be resumed: "
+        f"{root}/step_000005 ({root}/step_000005/rank0.pt does not match its checksum (sha256 "), message
+    assert f"; {root}/step_000004 ({root}/step_000004/rank0.pt does not match its checksum" in message
+    assert message.endswith("Nothing was changed; pass --resume afresh to start this --out again from step 1 "
+                            "(each is then set aside as step_N.corrupt, and its metrics.jsonl and final/ are "
+                            "replaced)")
+    assert _files_of(out) == before
+    # --resume afresh, the explicit way on: nothing to resume, the flags pass, and at the
+    # start each failed save is set aside, where no later save prunes it.
+    layout = train_grpo.run_layout(_settings(["--out", out]), world_size=1)
+    assert checkpoint.choose_checkpoint(out, "afresh", layout) is None
+    assert flags.flag_problems(flags.parse_args(["--out", out, "--resume", "afresh"]), 1) == []
+    assert checkpoint.set_aside_failed(out, None) == [f"{root}/step_000005.corrupt", f"{root}/step_000004.corrupt"]
+    for step in (1, 2, 3, 4):
+        run_in_processes(_save_resumable, args=(out, ["--out", out], step))
+    assert sorted(os.listdir(root)) == ["step_000002", "step_000003", "step_000004", "step_000004.corrupt",
+                                        "step_000005.corrupt"]
+    with pytest.raises(checkpoint.CheckpointError, match=f"--resume afresh: {root}/step_000004 is a complete "):
+        checkpoint.choose_checkpoint(out, "afresh", layout)
+    # A newer failed save beside a good one: resumed from the good one, the failed one set aside.
+    shutil.copytree(os.path.join(root, "step_000005.corrupt"), os.path.join(root, "step_000005"))
+    assert checkpoint.choose_checkpoint(out, "auto", layout) == f"{root}/step_000004"
+    assert checkpoint.set_aside_failed(out, f"{root}/step_000004") == [f"{root}/step_000005.corrupt2"]
+
+
+def test_train_grpo_steps_below_the_saved_step_are_refused_naming_both(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    run_in_processes(_save_resumable, args=(out, ["--out", out], 5))
+    before = _files_of(out)
+    assert _refused_by_main(["--out", out, "--steps", "3"], monkeypatch) == (
+        f"train_grpo.py: --steps 3: {out}/checkpoints/step_000005 was saved after step 5; expected --steps 5 or more "
+        "to continue it (or --resume never and another --out)")
+    assert _files_of(out) == before
+
+
+def test_train_grpo_names_every_bad_data_row_with_its_file_up_to_twenty(tmp_path, monkeypatch):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join([json.dumps({"prompt": "repeat:a", "answer": "aaa"}) + "\n"]
+                            + [json.dumps({"prompt": f"q{row}"}) + "\n" for row in range(2, 27)] + ["{not json\n"]))
+    lines = _refused_by_main(["--data", str(data), "--out", str(tmp_path / "out")], monkeypatch).split("\n  ")
+    assert lines == ([f"train_grpo.py: --data {data}: 26 bad rows:"]
+                     + [f"--data {data}: row {row} has no key 'answer' nor 'reward_model.ground_truth' (--answer-key)"
+                        for row in range(2, 22)] + ["and 6 more bad rows"])
+    assert not (tmp_path / "out").exists()
+
+
+# A model directory broken as downloads break: (what is done to it, what the refusal says).
+BROKEN_MODEL_FILES = {
+    "cut config": ("config.json", "{dir}/config.json is not JSON ("),
+    "no weights": ("model.safetensors", "--model {dir}: no weights there; expected model.safetensors (or "
+                                        "model.safetensors.index.json and the files it names)"),
+    "cut weights": ("model.safetensors", "{dir}/model.safetensors is {size} bytes, its header's tensors end at byte "),
+    "no tokenizer": ("tokenizer.json", "--model {dir}: no tokenizer there; expected tokenizer.json or "
+                                       "tokenizer.model or vocab.json"),
+}
+
+
+@pytest.mark.parametrize("kind", BROKEN_MODEL_FILES)
+def test_train_grpo_broken_model_files_are_named_before_the_process_group(kind, tiny_checkpoint, tmp_path,
+                                                                          monkeypatch):
+    name, expected = BROKEN_MODEL_FILES[kind]
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_checkpoint, model)
+    path = os.path.join(model, name)
+    if kind.startswith("cut"):
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:
+        os.remove(path)
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    lines = _refused_by_main(["--model", model, "--out", str(tmp_path / "out")], monkeypatch).split("\n")
+    if kind == "cut config":  # config.json is the flags' first read: a bad flag
+        assert lines[0] == "train_grpo.py: bad flags:" and len(lines) == 2, lines
+        lines = [lines[1].strip()]
+    assert len(lines) == 1 and lines[0].removeprefix("train_grpo.py: ").startswith(
+        expected.format(dir=model, size=size)), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_grpo_an_output_it_cannot_replace_is_refused_before_any_work(tmp_path, monkeypatch):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("someone's notes")
+    assert _refused_by_main(["--out", str(a_file / "run")], monkeypatch) == (
+        f"train_grpo.py: --out {a_file / 'run'}: {a_file} is a file; expected folders above --out (the run makes the "
+        "missing ones)")
+    assert a_file.read_text() == "someone's notes"
+    out = str(tmp_path / "run")
+    run_in_processes(_save_resumable, args=(out, ["--out", out], 2))
+    metrics = os.path.join(out, "metrics.jsonl")
+    with open(metrics, "w") as f:
+        f.write("".join(json.dumps({"step": step}) + "\n" for step in (1, 2)))
+    if subprocess.run(["chattr", "+i", metrics], capture_output=True).returncode:
+        pytest.skip("chattr +i needs root and a file system that has the attribute")
+    try:
+        before = _files_of(out)
+        assert _refused_by_main(["--out", out], monkeypatch) == (
+            f"train_grpo.py: --out {out}: {metrics} is not writable by this run (read-only or immutable); expected a "
+            "file it can replace: change its permissions or pass another --out")
+        assert _files_of(out) == before and not os.path.exists(metrics + ".tmp")
+    finally:
+        subprocess.run(["chattr", "-i", metrics], check=True)
+
+
+def test_train_grpo_a_disk_without_room_for_a_save_and_final_is_refused_before_any_work(tiny_checkpoint, tmp_path,
+                                                                                       monkeypatch):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        out = str(disk / "run")
+        message = _refused_by_main(["--model", tiny_checkpoint, "--out", out], monkeypatch)
+        parameters = sum(tensor.numel() for tensor in load_file(os.path.join(tiny_checkpoint,
+                                                                              "model.safetensors")).values())
+        assert message == (f"train_grpo.py: --out {out}: {shutil.disk_usage(disk).free} bytes are free on its disk "
+                           f"({disk}); a checkpoint and final/ of this model's {parameters} parameters need at least "
+                           f"{12 * parameters}: free some space or pass another --out")
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_train_grpo_second_run_on_a_locked_out_is_refused_before_the_heavy_imports(tmp_path):
+    out = str(tmp_path / "run")
+    held = checkpoint.lock_out(out)
+    # A torch that cannot be imported: the refusal must come before train_grpo imports it.
+    fake = tmp_path / "no-heavy-imports" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch was imported before the --out lock was checked')\n")
+    try:
+        process = subprocess.run([sys.executable, "train_grpo.py", "--out", out], cwd=REPO_DIR, capture_output=True,
+                                 text=True, env=dict(os.environ, PYTHONPATH=str(fake.parent)),
+                                 timeout=PROCESS_TIMEOUT_SECONDS)
+    finally:
+        held.close()
+    assert process.returncode == 1 and process.stdout == ""
+    said, = process.stderr.splitlines()
+    assert said.startswith(f"train_grpo.py: --out {out} is in use by another run (pid {os.getpid()} on ") \
+        and said.endswith("; wait for it to end or pass another --out"), process.stderr[-3000:]
+
+
+ONE_RANK_REWARD = '''import os
+
+
+def judged(prompt, response, answer):
+    if os.environ["RANK"] == "1":
+        raise ConnectionError("the judge is unreachable from this node")
+    return float(response == answer)
+'''
+
+
+def test_train_grpo_reward_failing_on_one_rank_only_is_said_naming_the_rank_and_every_rank_stops(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(ONE_RANK_REWARD)
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "train_grpo.py", "--out", str(tmp_path / "out"), "--reward", f"{path}:judged"],
+                             cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    output = process.stdout + process.stderr
+    said = [line for line in output.splitlines() if line.startswith("train_grpo.py:")]
+    assert len(said) == 1 and said[0].startswith(f"train_grpo.py: rank 1: --reward {path}:judged on prompt ") \
+        and "raised ConnectionError: the judge is unreachable from this node" in said[0], output[-3000:]
+    # torchrun's failure summary lists each local rank that exited non-zero.
+    assert process.returncode != 0 and sorted(re.findall(r"\[(\d)\]:\s+time\s+:", output)) == ["0", "1"], output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def _main_before_any_model(given):
+    """_main_with_flags where building the policy stops the run: what main says before any model."""
+    def no_model(*args, **kwargs):
+        raise SystemExit("the policy was built")
+    train_grpo.trainer.build_policy = no_model
+    return _main_with_flags(given)
+
+
+def test_train_grpo_max_new_tokens_past_the_context_on_a_builtin_task_is_refused_before_any_model(tmp_path):
+    message, = run_in_processes(_main_before_any_model, args=(["--max-new-tokens", "2000", "--out",
+                                                                str(tmp_path / "out")],))
+    assert message.startswith("train_grpo.py: ") and (
+        "prompt(s) do not fit the context of 1024 tokens with 2000 new tokens (--max-new-tokens); first: the "
+        "built-in task's prompt, 'repeat:") in message and "\n" not in message, message
+
+
+def test_train_grpo_long_prompts_and_dropped_characters_are_named_by_file_and_first_row(tmp_path):
+    rows = [{"prompt": f"repeat:{letter}", "answer": letter * 3} for letter in "abcdefghijklmnopqrst"]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # The held-out rows (a seeded 10%) come after the training pool in the check: the first
+    # row with a dropped character is a held-out one, the training pool's is later.
+    _, held_out = tasks.split_examples(tasks.load_examples(str(data)), None, flags.parse_args([]).seed, "repeat")
+    first_held = min(example["row"] for example in held_out)
+    later = max(row for row in range(1, 21) if row not in {e["row"] for e in held_out})
+    assert first_held < later
+    long_rows = sorted(set(range(1, 21)) - {first_held, later})[-2:]
+    for row in (first_held, later):
+        rows[row - 1]["prompt"] += " 😀"
+    for row in long_rows:
+        rows[row - 1]["prompt"] = "x" * 1100
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    process = subprocess.run([sys.executable, "train_grpo.py", "--data", str(data), "--out", str(tmp_path / "out")],
+                             cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+    said = [line for line in process.stderr.splitlines() if line.startswith("train_grpo.py:")]
+    assert process.returncode == 1 and len(said) == 2, process.stderr[-3000:]
+    assert said[0].startswith("train_grpo.py: warning: 2 prompt(s) hold characters that ") and said[0].endswith(
+        f"first: --data {data}: row {first_held}, '😀' in {rows[first_held - 1]['prompt']!r}"), said[0]
+    assert said[1].startswith("train_grpo.py: 2 prompt(s) do not fit the context of 1024 tokens with 3 new tokens "
+                              f"(--max-new-tokens); first: --data {data}: row {long_rows[0]}, 'xxxx"), said[1]
+
+
+# Room on the disk for one save of the tiny model in a world of one (its weights and Adam's
+# two moments) and not for final/ beside it.
+EXPORT_DISK_RUN = ("--steps", "1", "--save-every", "1", "--keep-checkpoints", "1", "--prompts-per-step", "2",
+                   "--eval-every", "1", "--num-speculative-tokens", "1", "--no-tensorboard")
+
+
+def test_train_grpo_full_disk_during_the_final_export_is_one_line_and_the_save_stays(tmp_path):
+    weights = os.path.getsize(os.path.join(train_grpo.write_builtin_model("tiny"), "model.safetensors"))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = 3 * weights + checkpoint.SAVE_OVERHEAD_BYTES + weights // 2
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        out = str(disk / "run")
+        process = subprocess.run([sys.executable, "train_grpo.py", "--out", out, *EXPORT_DISK_RUN], cwd=REPO_DIR,
+                                 capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
+        said = [line for line in process.stderr.splitlines() if line.startswith("train_grpo.py:")]
+        assert process.returncode == 1 and len(said) == 1 and "Traceback" not in process.stderr, process.stderr[-3000:]
+        assert said[0].startswith(f"train_grpo.py: {out}/final could not be written (") and said[0].endswith(
+            f"nothing of it was left behind; the checkpoint of step 1 is in {out}/checkpoints: free some space, and "
+            "the same command resumes from it and exports again"), said[0]
+        assert sorted(os.listdir(out)) == [".lock", "checkpoints", "metrics.jsonl"]
+        assert checkpoint.checkpoint_problem(os.path.join(out, "checkpoints", "step_000001")) is None
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def _non_finite_train_step(checkpoint):

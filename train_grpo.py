@@ -45,9 +45,12 @@ def shared_memory_names():
 # /dev/shm before this process made anything.
 SHARED_MEMORY_BEFORE = shared_memory_names()
 
+import preflight  # noqa: E402
 import run_log  # noqa: E402
 
 if __name__ == "__main__":
+    # A second run on a locked --out is refused before the heavy imports below.
+    preflight.refuse_locked_out(sys.argv[1:])
     # The stack's known-harmless warnings are raised while it imports, before the flags are
     # parsed: --verbose is read here for them (parse_args reads it again, with the rest).
     run_log.hide_known_warnings(verbose="--verbose" in sys.argv[1:])
@@ -370,6 +373,8 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
     with timer("process group"):
         rank, world_size, device = init_distributed()
         lock = lock_out(s.out, rank)
+        if rank == 0 and s.resume in ("auto", "afresh"):  # choose_checkpoint's warnings said so
+            checkpoint.set_aside_failed(s.out, resume_dir)
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     with timer("model files"):
@@ -381,8 +386,7 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         # The engines' context is the run's, not the model's (a published 128k one would
         # ask for KV cache the run never uses): refused here when it does not fit.
-        longest = (refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
-                   if data.data else max(len(tasks.prompt_token_ids(tokenizer, e["prompt"])) for e in examples + held_out))
+        longest = refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
         longest = max(longest, len(tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)))
         hf_config = flags.model_config(settings)
         settings = flags.rollout_context(settings, hf_config, longest)
@@ -515,8 +519,11 @@ def open_outputs(run, resume_dir, args, changed):
     return metrics_path, checkpoint.keep_records(metrics_path, run.start_step), writer, wandb_run
 
 
-def main(args):
-    world_size = flags.plan_world_size(args) if args.plan else int(os.environ.get("WORLD_SIZE", "1"))
+def prepare(args, world_size):
+    """Before any process group: the flags, the model's files, the outputs, the checkpoint to
+    resume and the inputs, each checked; (settings, RunConfig, tasks.DataConfig,
+    grpo_loss.RewardConfig, resume_dir, the flags changed since it, input digests, examples,
+    held-out examples), or None for --plan (printed)."""
     s = flags.check_args(args, world_size)
     if s.plan:
         # Before any process group or model: the layout judged from config.json alone.
@@ -527,7 +534,10 @@ def main(args):
         except ValueError as error:  # a layout the flags' own checks let through (a vocabulary TP does not split)
             raise usage_error(f"--plan: {error}") from None
         print(memory_plan.format_plan(plan, hf_config), flush=True)
-        return []
+        return None
+    problems = preflight.run_problems(s.model, s.out)
+    if problems:
+        raise usage_error("\n  ".join(["bad files:"] + problems) if len(problems) > 1 else problems[0])
     # Each part of the run takes its own config from here on (`start` hands the settings to flags alone).
     config = flags.settings_config(s, RunConfig, resolved_flags=vars(s))
     data, reward = flags.settings_config(s, tasks.DataConfig), flags.settings_config(s, grpo_loss.RewardConfig)
@@ -537,6 +547,39 @@ def main(args):
     if resume_dir:
         refusing(checkpoint.refuse_changed_inputs, resume_dir, config.resolved_flags, inputs)
     examples, held_out = refusing(load_inputs, data, config.seed)
+    return s, config, data, reward, resume_dir, changed, inputs, examples, held_out
+
+
+def refused_on_any_rank(function, *args):
+    """`function(*args)` on every rank, where a refusal (SystemExit) on any rank stops them
+    all: under torchrun the ranks meet in the process group and rank 0 says each refusal
+    once, naming the ranks that found it unless all did. A reward, a data file or a model
+    file that fails on one rank (one node) alone is said, and the other ranks stop at once."""
+    try:
+        result, refusal = function(*args), None
+    except SystemExit as error:
+        result, refusal = None, error
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and (refusal is not None or result is not None):  # --plan (None) makes no process group
+        init_distributed()
+        said = [None] * world_size
+        dist.all_gather_object(said, None if refusal is None else str(refusal.code))
+        found = {message: [str(rank) for rank, text in enumerate(said) if text == message]
+                 for message in said if message}
+        if found:
+            raise SystemExit("\n".join(message if len(ranks) == world_size else message.replace(
+                "train_grpo.py: ", f"train_grpo.py: rank {', '.join(ranks)}: ", 1) for message, ranks in found.items()))
+    if refusal is not None:
+        raise refusal
+    return result
+
+
+def main(args):
+    world_size = flags.plan_world_size(args) if args.plan else int(os.environ.get("WORLD_SIZE", "1"))
+    prepared = refused_on_any_rank(prepare, args, world_size)
+    if prepared is None:
+        return []
+    s, config, data, reward, resume_dir, changed, inputs, examples, held_out = prepared
     # SIGTERM / SIGINT from here on: stop after the step under way, with a checkpoint.
     stop = checkpoint.StopRequest()
     run = start(s, config, data, reward, resume_dir, examples, held_out, stop, inputs)
@@ -656,7 +699,12 @@ def finish(run, records, loggers, seconds):
     """The trained policy as a HF checkpoint in OUT/final, the plots, the closing summary;
     `loggers` (TensorBoard's writer, the W&B run; each None when off) are closed."""
     out = run.config.out
-    hf_weights.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
+    try:
+        hf_weights.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
+    except hf_weights.ExportError as error:
+        raise usage_error(f"{error}; the checkpoint of step {run.config.steps} is in "
+                          f"{os.path.join(out, checkpoint.CHECKPOINTS_DIR)}: free some space, and the same command "
+                          "resumes from it and exports again") from None
     writer, wandb_run = loggers
     if writer is not None:
         writer.close()
@@ -674,12 +722,13 @@ def finish(run, records, loggers, seconds):
 
 def exit_now(code):
     """Ends the process with SystemExit's `code` (None or 0: success; a message: said on
-    stderr, status 1), skipping the interpreter's shutdown. Every output is written,
+    stderr by rank 0, status 1), skipping the interpreter's shutdown. Every output is written,
     flushed and closed by then, and the checkpoint lock is the kernel's to release; left to
     themselves, vLLM's exit hooks would collect garbage engine by engine and the interpreter
     would tear down every module: seconds of a short run's wall, with nothing left to save."""
     if code is not None and not isinstance(code, int):
-        print(code, file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank has the message; one says it
+            print(code, file=sys.stderr)
         code = 1
     if code and os.environ.get("RANK", "0") != "0":
         # Rank 0 alone says why a run stopped, maybe a moment later: torchrun would stop it,
