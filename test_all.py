@@ -3943,6 +3943,97 @@ def test_megatron_model_moe_logprobs_match_transformers_and_every_layout_equals_
                 assert worst > 1e-3, broken
 
 
+# Two ranks' packs of other lengths (37 and 120 tokens), as packed rollouts that end at EOS are.
+UNEVEN_PACK_SEQLENS = ([5, 12, 20], [1, 9, 30, 80])
+
+
+def _uneven_pack(seqlens, moe_layers, top_k, experts, seed):
+    """One rank's pack: token ids, lengths, loss mask, per-token weights and random routes
+    [T, moe_layers, top_k] (top_k distinct experts per token, others than the model picks)."""
+    generator = torch.Generator().manual_seed(seed)
+    seqlens = torch.tensor(seqlens)
+    tokens = int(seqlens.sum())
+    input_ids = torch.randint(3, 100, (tokens,), generator=generator)
+    starts = torch.repeat_interleave(torch.cumsum(seqlens, 0) - seqlens, seqlens)
+    loss_mask = ((torch.arange(tokens) - starts) >= 2).float()
+    weights = torch.randn(tokens, generator=generator)
+    routes = torch.rand(tokens, moe_layers, experts, generator=generator).argsort(-1)[..., :top_k]
+    return input_ids, seqlens, loss_mask, weights, routes
+
+
+def _moe_packs_forward_backward(checkpoint, ep, packs, replay):
+    """Forward + backward of each of `packs` on this rank at expert parallel `ep` (the
+    routers replaying the packs' routes where `replay`): per pack its log-probs and MTP
+    loss, and every gradient in HF layout summed over the data-parallel ranks (each pack
+    counts once in the world)."""
+    from megatron.core import parallel_state
+    from megatron_model import build_gpt_model
+    cpu_backend.init_model_parallel(expert_parallel=ep, seed=0)
+    model = build_gpt_model(checkpoint, expert_parallel=ep)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    logprobs, mtp_losses = [], []
+    for input_ids, seqlens, loss_mask, weights, routes in packs:
+        out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
+                                       mtp_train=True, temperature=0.7, routed_experts=routes, replay_routing=replay)
+        # A fixed divisor: the packs' losses add up alike however the ranks split them.
+        loss = -(out.logprobs * out.batch.pack(weights)).sum() / 100 - 0.01 * (out.entropy * out.loss_mask).sum() / 100
+        loss.backward()
+        logprobs.append(out.batch.unpack(out.logprobs.detach()))
+        mtp_losses.append(out.mtp_loss.detach().clone())
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if ep > 1:
+            group = (parallel_state.get_expert_data_parallel_group() if hf_weights.ROUTED_EXPERT.search(name)
+                     else parallel_state.get_data_parallel_group())
+            torch.distributed.all_reduce(grad, group=group)
+        param.data = grad
+    grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
+             if not name.endswith("e_score_correction_bias")}
+    return {"logprobs": logprobs, "mtp_loss": mtp_losses, "grads": grads}
+
+
+def _moe_uneven_ranks(checkpoint):
+    """EP 1 (this rank runs both packs) against EP 2 (rank r runs pack r), routers on
+    their own and replaying the packs' routes."""
+    rank, _, _ = cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    config = megatron_model.load_hf_config(checkpoint)
+    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    packs = [_uneven_pack(seqlens, moe_layers, config["num_experts_per_tok"], config["n_routed_experts"], seed)
+             for seed, seqlens in enumerate(UNEVEN_PACK_SEQLENS)]
+    return {(ep, replay): _moe_packs_forward_backward(checkpoint, ep, packs if ep == 1 else packs[rank:rank + 1],
+                                                      replay)
+            for ep in (1, 2) for replay in (False, True)}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_megatron_model_expert_parallel_ranks_with_other_token_counts_equal_one_rank(moe_checkpoints, family):
+    """megatron-core's all-to-all dispatcher at EP 2, the ranks holding 37 and 120 tokens,
+    against EP 1 with one rank holding both packs, with the routers on their own and
+    replaying given routes (R3)."""
+    ranks = run_in_processes(_moe_uneven_ranks, world_size=2, args=(moe_checkpoints[family],))
+    for replay in (False, True):
+        reference = ranks[0][1, replay]
+        for rank, results in enumerate(ranks):
+            own = results[2, replay]
+            logprobs = (own["logprobs"][0] - reference["logprobs"][rank]).abs().max().item()
+            worst = max((own["grads"][name] - grad).abs().max().item() for name, grad in reference["grads"].items())
+            print(f"{family} replay={replay} rank {rank} ({len(own['logprobs'][0])} tokens): EP 2 vs EP 1 log-probs "
+                  f"{logprobs:.1e}, gradients {worst:.1e}")
+            assert len(own["logprobs"][0]) == sum(UNEVEN_PACK_SEQLENS[rank])
+            assert logprobs < 1e-6
+            torch.testing.assert_close(own["mtp_loss"][0], reference["mtp_loss"][rank], rtol=0, atol=1e-6)
+            assert set(own["grads"]) == set(reference["grads"])
+            for name, grad in reference["grads"].items():
+                torch.testing.assert_close(own["grads"][name], grad, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # Experts got gradients; the replayed routes are not the ones the routers pick.
+    reference = ranks[0][1, False]
+    routed = [name for name in reference["grads"] if ".mlp.experts." in name]
+    assert sum(float(reference["grads"][name].abs().sum() > 0) for name in routed) > 10
+    replayed = ranks[0][1, True]
+    assert max((a - b).abs().max().item() for a, b in zip(reference["logprobs"], replayed["logprobs"])) > 1e-3
+
+
 # Packed sequences for YaRN, the first past the original context of 4096 positions.
 YARN_SEQLENS = [4300, 37, 700]
 YARN_ORIGINAL_CONTEXT = PUBLISHED_YARN["original_max_position_embeddings"]
