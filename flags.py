@@ -498,11 +498,6 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
-    uneven = ("--data" if args.data else "--max-tokens-per-micro-batch" if args.max_tokens_per_micro_batch
-              else f"--task {args.task}" if tasks.TASKS[args.task]["eos"] else None)
-    if experts and args.ep > 1 and uneven:
-        problems.append(f"--ep {args.ep} with {uneven}: the ranks' micro-batches differ in tokens, and megatron-core's "
-                        "all-gather MoE dispatcher needs as many on every expert-parallel rank; expected --ep 1")
     layers = hf_config.get("num_hidden_layers", 0)
     if args.pp > 1 and layers % args.pp:
         problems.append(f"--pp {args.pp}: expected a divisor of {where}'s {layers} decoder layers (num_hidden_layers; "

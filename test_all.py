@@ -3961,16 +3961,12 @@ def _uneven_pack(seqlens, moe_layers, top_k, experts, seed):
     return input_ids, seqlens, loss_mask, weights, routes
 
 
-def _moe_packs_forward_backward(checkpoint, ep, packs, replay):
-    """Forward + backward of each of `packs` on this rank at expert parallel `ep` (the
-    routers replaying the packs' routes where `replay`): per pack its log-probs and MTP
-    loss, and every gradient in HF layout summed over the data-parallel ranks (each pack
-    counts once in the world)."""
+def _moe_packs_forward_backward(model, packs, replay, copies):
+    """Forward + backward of each of `packs` on this rank (the routers replaying the packs'
+    routes where `replay`): per pack its log-probs and MTP loss, and every gradient in HF
+    layout summed over the data-parallel ranks and divided by `copies`, the ranks that
+    run each pack (each pack counts once)."""
     from megatron.core import parallel_state
-    from megatron_model import build_gpt_model
-    cpu_backend.init_model_parallel(expert_parallel=ep, seed=0)
-    model = build_gpt_model(checkpoint, expert_parallel=ep)
-    hf_weights.load_hf_into_megatron(model, checkpoint)
     logprobs, mtp_losses = [], []
     for input_ids, seqlens, loss_mask, weights, routes in packs:
         out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
@@ -3980,30 +3976,39 @@ def _moe_packs_forward_backward(checkpoint, ep, packs, replay):
         loss.backward()
         logprobs.append(out.batch.unpack(out.logprobs.detach()))
         mtp_losses.append(out.mtp_loss.detach().clone())
+    weights = {}
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        if ep > 1:
-            group = (parallel_state.get_expert_data_parallel_group() if hf_weights.ROUTED_EXPERT.search(name)
-                     else parallel_state.get_data_parallel_group())
-            torch.distributed.all_reduce(grad, group=group)
-        param.data = grad
+        group = (parallel_state.get_expert_data_parallel_group() if hf_weights.ROUTED_EXPERT.search(name)
+                 else parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(grad, group=group)
+        weights[name], param.data, param.grad = param.data, grad / copies, None
     grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
              if not name.endswith("e_score_correction_bias")}
+    for name, param in model.named_parameters():
+        param.data = weights[name]
     return {"logprobs": logprobs, "mtp_loss": mtp_losses, "grads": grads}
 
 
 def _moe_uneven_ranks(checkpoint):
-    """EP 1 (this rank runs both packs) against EP 2 (rank r runs pack r), routers on
+    """EP 1 (both ranks run both packs) against EP 2 (rank r runs pack r), routers on
     their own and replaying the packs' routes."""
+    from megatron_model import build_gpt_model
     rank, _, _ = cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
     config = megatron_model.load_hf_config(checkpoint)
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
     packs = [_uneven_pack(seqlens, moe_layers, config["num_experts_per_tok"], config["n_routed_experts"], seed)
              for seed, seqlens in enumerate(UNEVEN_PACK_SEQLENS)]
-    return {(ep, replay): _moe_packs_forward_backward(checkpoint, ep, packs if ep == 1 else packs[rank:rank + 1],
-                                                      replay)
-            for ep in (1, 2) for replay in (False, True)}
+    results = {}
+    for ep in (1, 2):
+        cpu_backend.init_model_parallel(expert_parallel=ep, seed=0)
+        model = build_gpt_model(checkpoint, expert_parallel=ep)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        for replay in (False, True):
+            results[ep, replay] = _moe_packs_forward_backward(model, packs if ep == 1 else packs[rank:rank + 1],
+                                                              replay, copies=2 // ep)
+    return results
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -5999,19 +6004,17 @@ def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_n
     assert not any("--mtp-rollout" in problem for problem in problems)
 
 
-def test_flags_expert_parallel_is_refused_where_ranks_would_hold_other_token_counts(tmp_path):
-    """megatron-core's all-gather MoE dispatcher fails (gloo: "Received data size doesn't
-    match expected size") when expert-parallel ranks hold micro-batches of other lengths:
-    responses ending at EOS, data prompts, token budgets. Refused by name instead."""
+def test_flags_expert_parallel_runs_where_ranks_hold_other_token_counts(tmp_path):
+    """Responses ending at EOS, data prompts and token budgets give expert-parallel ranks
+    micro-batches of other lengths, which megatron-core's all-to-all dispatcher takes
+    (megatron_model.MOE_TOKEN_DISPATCHER): none of them is refused beside --ep 2."""
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{n}+1=", "answer": str(n + 1)}) + "\n" for n in (1, 22, 333)))
-    for given, named in ((["--data", str(data)], "--data"), (["--task", "walk"], "--task walk"),
-                         (["--max-tokens-per-micro-batch", "64"], "--max-tokens-per-micro-batch")):
-        problems = flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--ep", "2", *given]), 2)
-        assert (f"--ep 2 with {named}: the ranks' micro-batches differ in tokens, and megatron-core's all-gather MoE "
-                "dispatcher needs as many on every expert-parallel rank; expected --ep 1") in problems, problems
-    assert flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--ep", "2"]), 2) == []
-    assert flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--data", str(data)]), 2) == []
+    for given in (["--data", str(data)], ["--task", "walk"], ["--max-tokens-per-micro-batch", "64"]):
+        for model in ("deepseek", "glm"):
+            assert flags.flag_problems(flags.parse_args(["--builtin-model", model, "--ep", "2", *given]), 2) == [], given
+    assert megatron_model.transformer_config(tiny_model.deepseek_config(), expert_parallel=2) \
+        .moe_token_dispatcher_type == megatron_model.MOE_TOKEN_DISPATCHER == "alltoall"
 
 
 def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot_run():
