@@ -674,7 +674,7 @@ def plan_config(settings, world_size, bf16):
     --max-new-tokens plus a prompt of MIN_MODEL_LEN."""
     sequences = settings.prompts_per_step * settings.group_size // (settings.mini_batches * settings.micro_batches)
     return memory_plan.PlanConfig(
-        world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, bf16=bf16,
+        world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, pp=settings.pp, bf16=bf16,
         distributed_optimizer=settings.distributed_optimizer,
         mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout,
         auto_draft=settings.num_speculative_tokens == "auto", reference_model=settings.kl_coef > 0,

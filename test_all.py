@@ -6896,10 +6896,11 @@ def test_setup_gpu_stack_names_what_the_te_build_lacks_before_installing(setup_s
 # memory_plan.py: the plan's bytes against a built model and optimizer, and a step's peak
 # ---------------------------------------------------------------------------------------
 
-# (built-in model, tp, ep, bf16) in one 2-process run: the plain optimizer's bytes do not
-# depend on the data-parallel size.
-PLAN_LAYOUTS = [("tiny", 1, 1, False, False), ("tiny", 2, 1, True, False), ("deepseek", 1, 2, False, False),
-                ("deepseek", 2, 1, True, False), ("tiny", 1, 1, False, True)]
+# (built-in model, tp, ep, bf16, distributed optimizer, pp) in one 2-process run: the plain
+# optimizer's bytes do not depend on the data-parallel size; at pp 2 rank r holds stage r.
+PLAN_LAYOUTS = [("tiny", 1, 1, False, False, 1), ("tiny", 2, 1, True, False, 1), ("deepseek", 1, 2, False, False, 1),
+                ("deepseek", 2, 1, True, False, 1), ("deepseek", 1, 1, False, False, 2), ("tiny", 1, 1, True, False, 2),
+                ("tiny", 1, 1, False, True, 1)]
 # The distributed optimizer pads its gradient buffer and splits Adam's per-tensor steps unevenly.
 PLAN_DISTRIBUTED_SLACK_BYTES = 1024
 # The activation estimate against a train step's measured peak increase (docs/SCALE.md).
@@ -6907,18 +6908,19 @@ PLAN_ACTIVATION_TOLERANCE = 0.25
 
 
 def _held_bytes(layouts):
-    """For each (built-in model, tp, ep, bf16, distributed optimizer): the parameters' names and shapes on this rank,
+    """For each (built-in model, tp, ep, bf16, distributed optimizer, pp): the parameters' names and shapes on this rank,
     and the bytes the model, megatron DDP's gradient buffers and the optimizer hold once
     the optimizer has stepped (Adam's states exist from the first step)."""
     import trainer
     from megatron_model import build_gpt_model
     held = []
-    for name, tp, ep, bf16, distributed in layouts:
-        cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, seed=0)
+    for name, tp, ep, bf16, distributed, pp in layouts:
+        cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, seed=0)
         model = build_gpt_model(tiny_model.builtin_config(name)[1], tensor_parallel=tp, expert_parallel=ep,
-                                params_dtype=torch.bfloat16 if bf16 else torch.float32)
-        # trainer.build_policy's freeze while vLLM drafts with the trained MTP head.
-        model.decoder.final_layernorm.weight.requires_grad_(False)
+                                pipeline_parallel=pp, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+        # trainer.build_policy's freeze while vLLM drafts with the trained MTP head (last stage).
+        if model.decoder.final_layernorm is not None:
+            model.decoder.final_layernorm.weight.requires_grad_(False)
         ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False,
                                                        distributed=distributed)
         ddp_model.zero_grad_buffer()
@@ -6953,28 +6955,30 @@ def plan_measurements(tiny_checkpoint):
 
 def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_rank(plan_measurements):
     """Weights, fp32 gradient buffers, fp32 main weights and Adam's states (m, v and a step
-    per tensor), exactly, on both ranks of 4 layouts (MiMo at TP 1 (DP 2) and TP 2, DeepSeek
-    at EP 2 and TP 2; fp32 and bf16); the tensor list name for name. With the distributed
-    optimizer (MiMo, DP 2) each rank holds half of Adam's states, within the padding."""
+    per tensor), exactly, on both ranks of 6 layouts (MiMo at TP 1 (DP 2) and TP 2, DeepSeek
+    at EP 2 and TP 2, DeepSeek and MiMo at PP 2, each rank a stage; fp32 and bf16); the tensor
+    list name for name. With the distributed optimizer (MiMo, DP 2) each rank holds half of
+    Adam's states, within the padding."""
     held = [by_rank[0] for by_rank in plan_measurements]
-    for index, (name, tp, ep, bf16, distributed) in enumerate(PLAN_LAYOUTS):
+    for index, (name, tp, ep, bf16, distributed, pp) in enumerate(PLAN_LAYOUTS):
         hf_config = tiny_model.builtin_config(name)[1]
-        config = memory_plan.PlanConfig(world_size=2, tp=tp, ep=ep, bf16=bf16, distributed_optimizer=distributed)
-        planned = memory_plan.model_state_bytes(hf_config, config)
-        if bf16:
-            # Without Transformer Engine (CPU) the norms are torch's, built in fp32: 2 bytes
-            # more each, and no fp32 main copy. Transformer Engine's are bf16, as planned.
-            norms = sum(math.prod(shape) for key, shape in memory_plan.megatron_tensors(hf_config, tp, ep).items()
-                        if key.endswith("norm.weight"))
-            frozen = math.prod(memory_plan.megatron_tensors(hf_config, tp, ep)["decoder.final_layernorm.weight"])
-            planned = dict(planned, weights=planned["weights"] + 2 * norms,
-                           main_weights=planned["main_weights"] - 4 * (norms - frozen))
-        print(name, tp, ep, bf16, distributed, planned)
+        config = memory_plan.PlanConfig(world_size=2, tp=tp, ep=ep, pp=pp, bf16=bf16, distributed_optimizer=distributed)
         slack = PLAN_DISTRIBUTED_SLACK_BYTES if distributed else 0
         for rank in range(2):
-            assert held[rank][index]["shapes"] == memory_plan.megatron_tensors(hf_config, tp, ep)
+            stage = rank if pp > 1 else 0
+            tensors = memory_plan.megatron_tensors(hf_config, tp, ep, pp=pp, stage=stage)
+            planned = memory_plan.model_state_bytes(hf_config, config, stage=stage)
+            if bf16:
+                # Without Transformer Engine (CPU) the norms are torch's, built in fp32: 2 bytes
+                # more each, and no fp32 main copy. Transformer Engine's are bf16, as planned.
+                norms = sum(math.prod(shape) for key, shape in tensors.items() if key.endswith("norm.weight"))
+                frozen = math.prod(tensors.get("decoder.final_layernorm.weight", (0,)))
+                planned = dict(planned, weights=planned["weights"] + 2 * norms,
+                               main_weights=planned["main_weights"] - 4 * (norms - frozen))
+            print(name, tp, ep, bf16, distributed, pp, stage, planned)
+            assert held[rank][index]["shapes"] == tensors
             for part in ("weights", "gradients", "main_weights", "optimizer_states"):
-                assert abs(held[rank][index][part] - planned[part]) <= slack, (name, tp, ep, part, rank)
+                assert abs(held[rank][index][part] - planned[part]) <= slack, (name, tp, ep, pp, part, rank)
     plain = memory_plan.model_state_bytes(hf_config, dataclasses.replace(config, distributed_optimizer=False))
     assert 0 < held[0][-1]["optimizer_states"] < 0.51 * plain["optimizer_states"]
     # A mutant that forgets the frozen norm (its gradient buffer and Adam states) is caught.
@@ -7048,21 +7052,24 @@ def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
 
 
 def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_path):
-    """--plan for the built-in deepseek model at --tp 2 --ep 2 on a world of 8: the plan per
-    device, exit 0, no process group (no torchrun), nothing written to --out."""
+    """--plan for the built-in deepseek model at --tp 2 --ep 2 --pp 2 on a world of 8: the plan
+    per device (its busiest stage), exit 0, no process group (no torchrun), nothing written
+    to --out."""
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "train_grpo.py", "--plan", "--builtin-model", "deepseek", "--tp", "2",
-                           "--ep", "2", "--plan-world-size", "8", "--device-memory", "1GB", "--out", str(out)],
+                           "--ep", "2", "--pp", "2", "--plan-world-size", "8", "--device-memory", "1GB",
+                           "--out", str(out)],
                           cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
     assert done.returncode == 0, done.stderr
     hf_config = tiny_model.builtin_config("deepseek")[1]
     # The default run's micro-batch: 16 prompts x 8 completions, each its answer and a 256-token prompt.
     tokens = 16 * 8 * (tasks.TASKS["repeat"]["length"] + flags.MIN_MODEL_LEN)
-    # Data-parallel size 4: the distributed optimizer is on.
-    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, micro_batch_tokens=tokens, device_memory=10**9,
+    # Data-parallel size 2: the distributed optimizer is on.
+    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, pp=2, micro_batch_tokens=tokens, device_memory=10**9,
                                     distributed_optimizer=True)
     assert done.stdout.strip().endswith(memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config))
-    assert "world 8 = tp 2 x cp 1 x pp 1 x dp 4; experts ep 2 x expert-dp 2" in done.stdout
+    assert ("world 8 = tp 2 x cp 1 x pp 2 x dp 2; experts ep 2 x expert-dp 1, pipeline stage 1 of 2 (the busiest)"
+            in done.stdout)
     assert not out.exists()
 
 
