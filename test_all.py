@@ -5243,18 +5243,16 @@ PIPELINE_TOKEN_BUDGET = 32
 
 
 def _pipeline_samples():
-    """Sequences of varying length (so micro-batches differ in length between stages), the
-    second half as long as the first: expert parallelism's all-gather over data-parallel
-    ranks needs as many tokens on each."""
+    """Sequences of varying length: micro-batches differ in length between stages, and the
+    data-parallel ranks' halves in tokens (expert parallelism's all-to-all takes both)."""
     generator = torch.Generator().manual_seed(0)
-    half = PIPELINE_SEQUENCES // 2
     lengths = [(int(torch.randint(3, 9, (1,), generator=generator)),
-                int(torch.randint(2, 12, (1,), generator=generator))) for _ in range(half)]
+                int(torch.randint(2, 12, (1,), generator=generator))) for _ in range(PIPELINE_SEQUENCES)]
     return [{"prompt_ids": torch.randint(3, 100, (prompt,), generator=generator).tolist(),
              "response_ids": torch.randint(3, 100, (response,), generator=generator).tolist(),
              "advantages": torch.randn(response, generator=generator),
              "rollout_logprobs": (-torch.rand(response, generator=generator)).tolist(), "group": index // 4}
-            for index, (prompt, response) in enumerate(lengths[i % half] for i in range(PIPELINE_SEQUENCES))]
+            for index, (prompt, response) in enumerate(lengths)]
 
 
 def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1, budget=0, counted=PIPELINE_MICRO_BATCHES):
@@ -5353,6 +5351,11 @@ def _assert_pipeline_equals_one_rank(reference, other, label):
 
 def test_pipeline_stages_equal_one_rank_in_logprobs_mtp_loss_and_every_gradient(tiny_checkpoint, moe_checkpoints):
     checkpoints = {"mimo": tiny_checkpoint, "deepseek": moe_checkpoints["deepseek"]}
+    # At pp 2 x ep 2 the expert-parallel ranks (data-parallel ones) hold other token counts.
+    tokens = [len(sample["prompt_ids"]) + len(sample["response_ids"]) for sample in _pipeline_samples()]
+    print(f"data-parallel halves of {sum(tokens[:PIPELINE_SEQUENCES // 2])} and "
+          f"{sum(tokens[PIPELINE_SEQUENCES // 2:])} tokens")
+    assert sum(tokens[:PIPELINE_SEQUENCES // 2]) != sum(tokens[PIPELINE_SEQUENCES // 2:])
     results = {world: run_in_processes(_pipeline_layouts, world_size=world, args=(checkpoints, layouts))
                for world, layouts in PIPELINE_LAYOUTS.items()}
     one_rank = results[1][0]
