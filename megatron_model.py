@@ -63,8 +63,8 @@ QWEN35_LAYER_TYPES = ("linear_attention", "full_attention")
 # megatron-core's token dispatcher for MoE layers under expert parallelism. Its all-to-all
 # takes each rank's split sizes, so expert-parallel ranks may hold micro-batches of any
 # lengths (responses ending at EOS, data prompts, token budgets); the all-gather dispatcher
-# needs as many tokens on every rank. Without expert parallelism no token leaves its rank
-# and the all-gather dispatcher (megatron's default) stays.
+# needs as many tokens on every rank. Without expert parallelism the all-gather dispatcher
+# (megatron's default) stays: it gathers only over the TP ranks of one micro-batch.
 MOE_TOKEN_DISPATCHER = "alltoall"
 # MLA's down projections, whole on every tensor-parallel rank under sequence parallelism.
 MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
@@ -415,8 +415,8 @@ def _with_stages(config, pipeline_parallel):
     """`config`, which under pipeline parallelism sends the shape of each hidden state ahead
     of it between stages: packed micro-batches differ in length (`variable_seq_lengths`).
     Set after construction: the config's check refuses the flag beside megatron's all-gather
-    MoE dispatcher (set for dense models too), whose all-gather needs as many tokens on
-    every TP x EP rank of a micro-batch, a condition of expert parallelism stages do not change."""
+    MoE dispatcher (set for dense models, and for MoE ones without expert parallelism), whose
+    all-gather there spans the TP ranks of one micro-batch, as long with stages as without."""
     if pipeline_parallel > 1:
         config.variable_seq_lengths = True
     return config
