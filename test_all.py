@@ -7035,7 +7035,7 @@ def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_
     assert abs(halved / peak - 1) > PLAN_ACTIVATION_TOLERANCE
 
 
-def test_memory_plan_proposes_only_pipeline_stages_that_divide_the_layers():
+def test_memory_plan_proposes_only_stage_counts_that_divide_the_layers():
     """DeepSeek-V3's 61 layers: --pp 4 is refused as the run refuses it (megatron_model
     builds even stages), and the search for TP 8, EP 8 on 256 x 80GB proposes no --pp."""
     hf_config = tiny_model.PUBLISHED_CONFIGS["deepseek-v3"][0]
