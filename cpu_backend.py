@@ -230,8 +230,8 @@ def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
 
 
 class HostStream:
-    """`torch.cuda.Stream`'s interface where work runs in order on the host: waiting and
-    synchronising have nothing to wait for, and a recorded event is already complete."""
+    """The parts of `torch.cuda.Stream` megatron-core's MoE layers call, where work runs in
+    order on the host: there is nothing to wait for, and a recorded event is complete."""
 
     def __init__(self, *args, **kwargs):
         # megatron passes a device or a priority; neither applies on the host.
@@ -240,36 +240,15 @@ class HostStream:
     def wait_stream(self, stream):
         return None
 
-    def wait_event(self, event):
-        return None
-
     def record_event(self, event=None):
         return event or HostEvent()
 
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
-
 
 class HostEvent:
-    """`torch.cuda.Event`'s interface for a `HostStream`: complete when recorded."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        return None
-
-    def wait(self, stream=None):
-        return None
+    """The part of `torch.cuda.Event` the all-to-all dispatcher calls: complete when recorded."""
 
     def synchronize(self):
         return None
-
-    def query(self):
-        return True
 
 
 # The one stream the host runs on, as torch.cuda.current_stream() names the device's.
