@@ -32,6 +32,7 @@ from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.transformer.moe import token_dispatcher
 
 DEFAULT_TIMEOUT_MINUTES = 30
 # How long ranks wait for each other to form a process group before they give up, saying so.
@@ -228,6 +229,49 @@ def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
             destination.copy_(source * scale)
 
 
+class HostStream:
+    """The parts of `torch.cuda.Stream` megatron-core's MoE layers call, where work runs in
+    order on the host: there is nothing to wait for, and a recorded event is complete."""
+
+    def __init__(self, *args, **kwargs):
+        # megatron passes a device or a priority; neither applies on the host.
+        pass
+
+    def wait_stream(self, stream):
+        return None
+
+    def record_event(self, event=None):
+        return event or HostEvent()
+
+
+class HostEvent:
+    """The part of `torch.cuda.Event` the all-to-all dispatcher calls: complete when recorded."""
+
+    def synchronize(self):
+        return None
+
+
+# The one stream the host runs on, as torch.cuda.current_stream() names the device's.
+_HOST_STREAM = HostStream()
+
+
+def _current_host_stream(device=None):
+    return _HOST_STREAM
+
+
+def _on_host_stream(stream):
+    return contextlib.nullcontext()
+
+
+def _host_copy(tensor, as_numpy=False, record_stream=False):
+    # megatron's maybe_move_tensor_to_cpu, which copies only CUDA tensors: on the host the
+    # all-to-all dispatcher's split sizes stayed tensors, which all_to_all_single's binding
+    # refuses (it takes a sequence of ints; a CUDA tensor's host copy is a numpy array).
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _grad_norm_in_float64(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
     # Summed in float64, the norm no longer depends on how the gradients are split: the
     # distributed optimizer sums its shards' squares over ranks, the plain one whole
@@ -272,6 +316,13 @@ def install_cpu_redirects():
     - the optimizers' gradient norm -> the same L2 norm summed in float64, so that
       clipping scales the gradients alike whether the distributed optimizer holds them in
       shards or not.
+    - `torch.cuda.Stream`, `torch.cuda.current_stream`, `torch.cuda.stream` -> a
+      `HostStream` and a context that does nothing: the all-to-all MoE dispatcher copies
+      its split sizes to the host on a side stream and synchronises with it (MoE shared
+      experts may overlap on one too); on the host the copy is already done.
+    - the all-to-all dispatcher's `maybe_move_tensor_to_cpu` -> one that hands the split
+      sizes over as numpy arrays, as megatron's own does for a CUDA tensor:
+      `all_to_all_single` takes a sequence of ints and refuses a tensor.
     `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, is left
     alone (on a build without CUDA it is queued lazily and never runs);
     `init_model_parallel` seeds the default CPU generator in its place.
@@ -293,6 +344,9 @@ def install_cpu_redirects():
         if module.multi_tensor_scale_impl is megatron_utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _multi_tensor_scale
         module.get_grad_norm_fp32 = _grad_norm_in_float64
+    torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = HostStream, _current_host_stream, _on_host_stream
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return True

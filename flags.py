@@ -501,11 +501,6 @@ def model_problems(args, hf_config):
         problems.append(f"--routing-replay: {where} has no experts to route; leave the flag out")
     elif experts and experts % args.ep:
         problems.append(f"--ep {args.ep}: expected a divisor of {where}'s {experts} routed experts")
-    uneven = ("--data" if args.data else "--max-tokens-per-micro-batch" if args.max_tokens_per_micro_batch
-              else f"--task {args.task}" if tasks.TASKS[args.task]["eos"] else None)
-    if experts and args.ep > 1 and uneven:
-        problems.append(f"--ep {args.ep} with {uneven}: the ranks' micro-batches differ in tokens, and megatron-core's "
-                        "all-gather MoE dispatcher needs as many on every expert-parallel rank; expected --ep 1")
     layers = hf_config.get("num_hidden_layers", 0)
     if args.pp > 1 and layers % args.pp:
         problems.append(f"--pp {args.pp}: expected a divisor of {where}'s {layers} decoder layers (num_hidden_layers; "
@@ -688,7 +683,7 @@ def plan_config(settings, world_size, bf16):
     --max-new-tokens plus a prompt of MIN_MODEL_LEN."""
     sequences = settings.prompts_per_step * settings.group_size // (settings.mini_batches * settings.micro_batches)
     return memory_plan.PlanConfig(
-        world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, bf16=bf16,
+        world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, pp=settings.pp, bf16=bf16,
         distributed_optimizer=settings.distributed_optimizer,
         mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout,
         auto_draft=settings.num_speculative_tokens == "auto", reference_model=settings.kl_coef > 0,

@@ -60,9 +60,12 @@ FAMILIES = dict(zip(SUPPORTED_ARCHITECTURES, ("mimo", "deepseek", "glm", "qwen3.
 DENSE_FAMILIES = ("mimo", "qwen3.5")
 # Qwen3.5's `layer_types` entries: a gated-DeltaNet layer, a full-attention layer.
 QWEN35_LAYER_TYPES = ("linear_attention", "full_attention")
-# megatron-core's token dispatcher for MoE layers: all-gather needs only the collectives
-# gloo has (all-to-all it lacks), and at a few experts per rank it moves little more.
-MOE_TOKEN_DISPATCHER = "allgather"
+# megatron-core's token dispatcher for MoE layers under expert parallelism. Its all-to-all
+# takes each rank's split sizes, so expert-parallel ranks may hold micro-batches of any
+# lengths (responses ending at EOS, data prompts, token budgets); the all-gather dispatcher
+# needs as many tokens on every rank. Without expert parallelism the all-gather dispatcher
+# (megatron's default) stays: it gathers only over the TP ranks of one micro-batch.
+MOE_TOKEN_DISPATCHER = "alltoall"
 # MLA's down projections, whole on every tensor-parallel rank under sequence parallelism.
 MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
 # A DeepSeek config's YaRN rope_scaling field -> MLATransformerConfig's.
@@ -268,7 +271,7 @@ def _moe_fields(hf_config, expert_parallel):
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
         "moe_router_dtype": "fp32",
-        "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER,
+        "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER if expert_parallel > 1 else "allgather",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": expert_parallel,
         # Routers that can replay the rollout engine's experts (forward.py sets when).
@@ -412,8 +415,8 @@ def _with_stages(config, pipeline_parallel):
     """`config`, which under pipeline parallelism sends the shape of each hidden state ahead
     of it between stages: packed micro-batches differ in length (`variable_seq_lengths`).
     Set after construction: the config's check refuses the flag beside megatron's all-gather
-    MoE dispatcher (set for dense models too), whose all-gather needs as many tokens on
-    every TP x EP rank of a micro-batch, a condition of expert parallelism stages do not change."""
+    MoE dispatcher (set for dense models, and for MoE ones without expert parallelism), whose
+    all-gather there spans the TP ranks of one micro-batch, as long with stages as without."""
     if pipeline_parallel > 1:
         config.variable_seq_lengths = True
     return config

@@ -90,8 +90,9 @@ def layout_problems(hf_config, config):
         problems.append(f"--tp {c.tp}: expected a divisor of the vocabulary size {hf_config['vocab_size']}")
     if hf_config.get("n_routed_experts", 1) % c.ep:
         problems.append(f"--ep {c.ep}: expected a divisor of the {hf_config.get('n_routed_experts', 1)} routed experts")
-    if hf_config["num_hidden_layers"] < c.pp:
-        problems.append(f"--pp {c.pp}: expected at most the {hf_config['num_hidden_layers']} layers")
+    if hf_config["num_hidden_layers"] % c.pp:
+        # megatron_model builds even stages only (flags refuses the run otherwise).
+        problems.append(f"--pp {c.pp}: expected a divisor of the {hf_config['num_hidden_layers']} layers")
     return problems
 
 
@@ -154,11 +155,9 @@ def _layer_tensors(hf_config, layer, tp, ep):
 
 
 def stage_layers(hf_config, pp, stage):
-    """The decoder layers of pipeline stage `stage` of `pp`: an even split, the first stages
-    one layer more where it does not divide."""
-    layers, base = hf_config["num_hidden_layers"], hf_config["num_hidden_layers"] // pp
-    start = stage * base + min(stage, layers % pp)
-    return range(start, start + base + (stage < layers % pp))
+    """The decoder layers of pipeline stage `stage` of `pp`: an even split (`pp` divides them)."""
+    per_stage = hf_config["num_hidden_layers"] // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
 
 
 def megatron_tensors(hf_config, tp=1, ep=1, mtp=True, pp=1, stage=0):

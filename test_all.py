@@ -3970,6 +3970,102 @@ def test_megatron_model_moe_logprobs_match_transformers_and_every_layout_equals_
                 assert worst > 1e-3, broken
 
 
+# Two ranks' packs of other lengths (37 and 120 tokens), as packed rollouts that end at EOS are.
+UNEVEN_PACK_SEQLENS = ([5, 12, 20], [1, 9, 30, 80])
+
+
+def _uneven_pack(seqlens, moe_layers, top_k, experts, seed):
+    """One rank's pack: token ids, lengths, loss mask, per-token weights and random routes
+    [T, moe_layers, top_k] (top_k distinct experts per token, others than the model picks)."""
+    generator = torch.Generator().manual_seed(seed)
+    seqlens = torch.tensor(seqlens)
+    tokens = int(seqlens.sum())
+    input_ids = torch.randint(3, 100, (tokens,), generator=generator)
+    starts = torch.repeat_interleave(torch.cumsum(seqlens, 0) - seqlens, seqlens)
+    loss_mask = ((torch.arange(tokens) - starts) >= 2).float()
+    weights = torch.randn(tokens, generator=generator)
+    routes = torch.rand(tokens, moe_layers, experts, generator=generator).argsort(-1)[..., :top_k]
+    return input_ids, seqlens, loss_mask, weights, routes
+
+
+def _moe_packs_forward_backward(model, packs, replay, copies):
+    """Forward + backward of each of `packs` on this rank (the routers replaying the packs'
+    routes where `replay`): per pack its log-probs and MTP loss, and every gradient in HF
+    layout summed over the data-parallel ranks and divided by `copies`, the ranks that
+    run each pack (each pack counts once)."""
+    from megatron.core import parallel_state
+    logprobs, mtp_losses = [], []
+    for input_ids, seqlens, loss_mask, weights, routes in packs:
+        out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask, with_entropy=True,
+                                       mtp_train=True, temperature=0.7, routed_experts=routes, replay_routing=replay)
+        # A fixed divisor: the packs' losses add up alike however the ranks split them.
+        loss = -(out.logprobs * out.batch.pack(weights)).sum() / 100 - 0.01 * (out.entropy * out.loss_mask).sum() / 100
+        loss.backward()
+        logprobs.append(out.batch.unpack(out.logprobs.detach()))
+        mtp_losses.append(out.mtp_loss.detach().clone())
+    weights = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        group = (parallel_state.get_expert_data_parallel_group() if hf_weights.ROUTED_EXPERT.search(name)
+                 else parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(grad, group=group)
+        weights[name], param.data, param.grad = param.data, grad / copies, None
+    grads = {name: tensor.clone() for name, tensor in hf_weights.megatron_to_hf(model)
+             if not name.endswith("e_score_correction_bias")}
+    for name, param in model.named_parameters():
+        param.data = weights[name]
+    return {"logprobs": logprobs, "mtp_loss": mtp_losses, "grads": grads}
+
+
+def _moe_uneven_ranks(checkpoint):
+    """EP 1 (both ranks run both packs) against EP 2 (rank r runs pack r), routers on
+    their own and replaying the packs' routes."""
+    from megatron_model import build_gpt_model
+    rank, _, _ = cpu_backend.init_distributed()
+    mtp_patch.patch_megatron_mtp()
+    config = megatron_model.load_hf_config(checkpoint)
+    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    packs = [_uneven_pack(seqlens, moe_layers, config["num_experts_per_tok"], config["n_routed_experts"], seed)
+             for seed, seqlens in enumerate(UNEVEN_PACK_SEQLENS)]
+    results = {}
+    for ep in (1, 2):
+        cpu_backend.init_model_parallel(expert_parallel=ep, seed=0)
+        model = build_gpt_model(checkpoint, expert_parallel=ep)
+        hf_weights.load_hf_into_megatron(model, checkpoint)
+        for replay in (False, True):
+            results[ep, replay] = _moe_packs_forward_backward(model, packs if ep == 1 else packs[rank:rank + 1],
+                                                              replay, copies=2 // ep)
+    return results
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_megatron_model_expert_parallel_ranks_with_other_token_counts_equal_one_rank(moe_checkpoints, family):
+    """megatron-core's all-to-all dispatcher at EP 2, the ranks holding 37 and 120 tokens,
+    against EP 1 with one rank holding both packs, with the routers on their own and
+    replaying given routes (R3)."""
+    ranks = run_in_processes(_moe_uneven_ranks, world_size=2, args=(moe_checkpoints[family],))
+    for replay in (False, True):
+        reference = ranks[0][1, replay]
+        for rank, results in enumerate(ranks):
+            own = results[2, replay]
+            logprobs = (own["logprobs"][0] - reference["logprobs"][rank]).abs().max().item()
+            worst = max((own["grads"][name] - grad).abs().max().item() for name, grad in reference["grads"].items())
+            print(f"{family} replay={replay} rank {rank} ({len(own['logprobs'][0])} tokens): EP 2 vs EP 1 log-probs "
+                  f"{logprobs:.1e}, gradients {worst:.1e}")
+            assert len(own["logprobs"][0]) == sum(UNEVEN_PACK_SEQLENS[rank])
+            assert logprobs < 1e-6
+            torch.testing.assert_close(own["mtp_loss"][0], reference["mtp_loss"][rank], rtol=0, atol=1e-6)
+            assert set(own["grads"]) == set(reference["grads"])
+            for name, grad in reference["grads"].items():
+                torch.testing.assert_close(own["grads"][name], grad, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # Experts got gradients; the replayed routes are not the ones the routers pick.
+    reference = ranks[0][1, False]
+    routed = [name for name in reference["grads"] if ".mlp.experts." in name]
+    assert sum(float(reference["grads"][name].abs().sum() > 0) for name in routed) > 10
+    replayed = ranks[0][1, True]
+    assert max((a - b).abs().max().item() for a, b in zip(reference["logprobs"], replayed["logprobs"])) > 1e-3
+
+
 # Packed sequences for YaRN, the first past the original context of 4096 positions.
 YARN_SEQLENS = [4300, 37, 700]
 YARN_ORIGINAL_CONTEXT = PUBLISHED_YARN["original_max_position_embeddings"]
@@ -5190,18 +5286,16 @@ PIPELINE_TOKEN_BUDGET = 32
 
 
 def _pipeline_samples():
-    """Sequences of varying length (so micro-batches differ in length between stages), the
-    second half as long as the first: expert parallelism's all-gather over data-parallel
-    ranks needs as many tokens on each."""
+    """Sequences of varying length: micro-batches differ in length between stages, and the
+    data-parallel ranks' halves in tokens (expert parallelism's all-to-all takes both)."""
     generator = torch.Generator().manual_seed(0)
-    half = PIPELINE_SEQUENCES // 2
     lengths = [(int(torch.randint(3, 9, (1,), generator=generator)),
-                int(torch.randint(2, 12, (1,), generator=generator))) for _ in range(half)]
+                int(torch.randint(2, 12, (1,), generator=generator))) for _ in range(PIPELINE_SEQUENCES)]
     return [{"prompt_ids": torch.randint(3, 100, (prompt,), generator=generator).tolist(),
              "response_ids": torch.randint(3, 100, (response,), generator=generator).tolist(),
              "advantages": torch.randn(response, generator=generator),
              "rollout_logprobs": (-torch.rand(response, generator=generator)).tolist(), "group": index // 4}
-            for index, (prompt, response) in enumerate(lengths[i % half] for i in range(PIPELINE_SEQUENCES))]
+            for index, (prompt, response) in enumerate(lengths)]
 
 
 def _pipeline_layout(checkpoint, tp=1, pp=1, ep=1, cp=1, budget=0, counted=PIPELINE_MICRO_BATCHES):
@@ -5300,6 +5394,11 @@ def _assert_pipeline_equals_one_rank(reference, other, label):
 
 def test_pipeline_stages_equal_one_rank_in_logprobs_mtp_loss_and_every_gradient(tiny_checkpoint, moe_checkpoints):
     checkpoints = {"mimo": tiny_checkpoint, "deepseek": moe_checkpoints["deepseek"]}
+    # At pp 2 x ep 2 the expert-parallel ranks (data-parallel ones) hold other token counts.
+    tokens = [len(sample["prompt_ids"]) + len(sample["response_ids"]) for sample in _pipeline_samples()]
+    print(f"data-parallel halves of {sum(tokens[:PIPELINE_SEQUENCES // 2])} and "
+          f"{sum(tokens[PIPELINE_SEQUENCES // 2:])} tokens")
+    assert sum(tokens[:PIPELINE_SEQUENCES // 2]) != sum(tokens[PIPELINE_SEQUENCES // 2:])
     results = {world: run_in_processes(_pipeline_layouts, world_size=world, args=(checkpoints, layouts))
                for world, layouts in PIPELINE_LAYOUTS.items()}
     one_rank = results[1][0]
@@ -5983,19 +6082,17 @@ def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_n
     assert not any("--mtp-rollout" in problem for problem in problems)
 
 
-def test_flags_expert_parallel_is_refused_where_ranks_would_hold_other_token_counts(tmp_path):
-    """megatron-core's all-gather MoE dispatcher fails (gloo: "Received data size doesn't
-    match expected size") when expert-parallel ranks hold micro-batches of other lengths:
-    responses ending at EOS, data prompts, token budgets. Refused by name instead."""
+def test_flags_expert_parallel_runs_where_ranks_hold_other_token_counts(tmp_path):
+    """Responses ending at EOS, data prompts and token budgets give expert-parallel ranks
+    micro-batches of other lengths, which megatron-core's all-to-all dispatcher takes
+    (megatron_model.MOE_TOKEN_DISPATCHER): none of them is refused beside --ep 2."""
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{n}+1=", "answer": str(n + 1)}) + "\n" for n in (1, 22, 333)))
-    for given, named in ((["--data", str(data)], "--data"), (["--task", "walk"], "--task walk"),
-                         (["--max-tokens-per-micro-batch", "64"], "--max-tokens-per-micro-batch")):
-        problems = flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--ep", "2", *given]), 2)
-        assert (f"--ep 2 with {named}: the ranks' micro-batches differ in tokens, and megatron-core's all-gather MoE "
-                "dispatcher needs as many on every expert-parallel rank; expected --ep 1") in problems, problems
-    assert flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--ep", "2"]), 2) == []
-    assert flags.flag_problems(flags.parse_args(["--builtin-model", "deepseek", "--data", str(data)]), 2) == []
+    for given in (["--data", str(data)], ["--task", "walk"], ["--max-tokens-per-micro-batch", "64"]):
+        for model in ("deepseek", "glm"):
+            assert flags.flag_problems(flags.parse_args(["--builtin-model", model, "--ep", "2", *given]), 2) == [], given
+    assert megatron_model.transformer_config(tiny_model.deepseek_config(), expert_parallel=2) \
+        .moe_token_dispatcher_type == megatron_model.MOE_TOKEN_DISPATCHER == "alltoall"
 
 
 def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot_run():
@@ -7201,10 +7298,11 @@ def test_setup_gpu_stack_names_what_the_te_build_lacks_before_installing(setup_s
 # memory_plan.py: the plan's bytes against a built model and optimizer, and a step's peak
 # ---------------------------------------------------------------------------------------
 
-# (built-in model, tp, ep, bf16) in one 2-process run: the plain optimizer's bytes do not
-# depend on the data-parallel size.
-PLAN_LAYOUTS = [("tiny", 1, 1, False, False), ("tiny", 2, 1, True, False), ("deepseek", 1, 2, False, False),
-                ("deepseek", 2, 1, True, False), ("tiny", 1, 1, False, True)]
+# (built-in model, tp, ep, bf16, distributed optimizer, pp) in one 2-process run: the plain
+# optimizer's bytes do not depend on the data-parallel size; at pp 2 rank r holds stage r.
+PLAN_LAYOUTS = [("tiny", 1, 1, False, False, 1), ("tiny", 2, 1, True, False, 1), ("deepseek", 1, 2, False, False, 1),
+                ("deepseek", 2, 1, True, False, 1), ("deepseek", 1, 1, False, False, 2), ("tiny", 1, 1, True, False, 2),
+                ("tiny", 1, 1, False, True, 1)]
 # The distributed optimizer pads its gradient buffer and splits Adam's per-tensor steps unevenly.
 PLAN_DISTRIBUTED_SLACK_BYTES = 1024
 # The activation estimate against a train step's measured peak increase (docs/SCALE.md).
@@ -7212,18 +7310,19 @@ PLAN_ACTIVATION_TOLERANCE = 0.25
 
 
 def _held_bytes(layouts):
-    """For each (built-in model, tp, ep, bf16, distributed optimizer): the parameters' names and shapes on this rank,
+    """For each (built-in model, tp, ep, bf16, distributed optimizer, pp): the parameters' names and shapes on this rank,
     and the bytes the model, megatron DDP's gradient buffers and the optimizer hold once
     the optimizer has stepped (Adam's states exist from the first step)."""
     import trainer
     from megatron_model import build_gpt_model
     held = []
-    for name, tp, ep, bf16, distributed in layouts:
-        cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, seed=0)
+    for name, tp, ep, bf16, distributed, pp in layouts:
+        cpu_backend.init_model_parallel(tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, seed=0)
         model = build_gpt_model(tiny_model.builtin_config(name)[1], tensor_parallel=tp, expert_parallel=ep,
-                                params_dtype=torch.bfloat16 if bf16 else torch.float32)
-        # trainer.build_policy's freeze while vLLM drafts with the trained MTP head.
-        model.decoder.final_layernorm.weight.requires_grad_(False)
+                                pipeline_parallel=pp, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+        # trainer.build_policy's freeze while vLLM drafts with the trained MTP head (last stage).
+        if model.decoder.final_layernorm is not None:
+            model.decoder.final_layernorm.weight.requires_grad_(False)
         ddp_model, optimizer = trainer.build_optimizer(model, 1e-3, 1.0, overlap_grad_reduce=False,
                                                        distributed=distributed)
         ddp_model.zero_grad_buffer()
@@ -7258,28 +7357,30 @@ def plan_measurements(tiny_checkpoint):
 
 def test_memory_plan_bytes_equal_what_the_built_model_and_optimizer_hold_per_rank(plan_measurements):
     """Weights, fp32 gradient buffers, fp32 main weights and Adam's states (m, v and a step
-    per tensor), exactly, on both ranks of 4 layouts (MiMo at TP 1 (DP 2) and TP 2, DeepSeek
-    at EP 2 and TP 2; fp32 and bf16); the tensor list name for name. With the distributed
-    optimizer (MiMo, DP 2) each rank holds half of Adam's states, within the padding."""
+    per tensor), exactly, on both ranks of 6 layouts (MiMo at TP 1 (DP 2) and TP 2, DeepSeek
+    at EP 2 and TP 2, DeepSeek and MiMo at PP 2, each rank a stage; fp32 and bf16); the tensor
+    list name for name. With the distributed optimizer (MiMo, DP 2) each rank holds half of
+    Adam's states, within the padding."""
     held = [by_rank[0] for by_rank in plan_measurements]
-    for index, (name, tp, ep, bf16, distributed) in enumerate(PLAN_LAYOUTS):
+    for index, (name, tp, ep, bf16, distributed, pp) in enumerate(PLAN_LAYOUTS):
         hf_config = tiny_model.builtin_config(name)[1]
-        config = memory_plan.PlanConfig(world_size=2, tp=tp, ep=ep, bf16=bf16, distributed_optimizer=distributed)
-        planned = memory_plan.model_state_bytes(hf_config, config)
-        if bf16:
-            # Without Transformer Engine (CPU) the norms are torch's, built in fp32: 2 bytes
-            # more each, and no fp32 main copy. Transformer Engine's are bf16, as planned.
-            norms = sum(math.prod(shape) for key, shape in memory_plan.megatron_tensors(hf_config, tp, ep).items()
-                        if key.endswith("norm.weight"))
-            frozen = math.prod(memory_plan.megatron_tensors(hf_config, tp, ep)["decoder.final_layernorm.weight"])
-            planned = dict(planned, weights=planned["weights"] + 2 * norms,
-                           main_weights=planned["main_weights"] - 4 * (norms - frozen))
-        print(name, tp, ep, bf16, distributed, planned)
+        config = memory_plan.PlanConfig(world_size=2, tp=tp, ep=ep, pp=pp, bf16=bf16, distributed_optimizer=distributed)
         slack = PLAN_DISTRIBUTED_SLACK_BYTES if distributed else 0
         for rank in range(2):
-            assert held[rank][index]["shapes"] == memory_plan.megatron_tensors(hf_config, tp, ep)
+            stage = rank if pp > 1 else 0
+            tensors = memory_plan.megatron_tensors(hf_config, tp, ep, pp=pp, stage=stage)
+            planned = memory_plan.model_state_bytes(hf_config, config, stage=stage)
+            if bf16:
+                # Without Transformer Engine (CPU) the norms are torch's, built in fp32: 2 bytes
+                # more each, and no fp32 main copy. Transformer Engine's are bf16, as planned.
+                norms = sum(math.prod(shape) for key, shape in tensors.items() if key.endswith("norm.weight"))
+                frozen = math.prod(tensors.get("decoder.final_layernorm.weight", (0,)))
+                planned = dict(planned, weights=planned["weights"] + 2 * norms,
+                               main_weights=planned["main_weights"] - 4 * (norms - frozen))
+            print(name, tp, ep, bf16, distributed, pp, stage, planned)
+            assert held[rank][index]["shapes"] == tensors
             for part in ("weights", "gradients", "main_weights", "optimizer_states"):
-                assert abs(held[rank][index][part] - planned[part]) <= slack, (name, tp, ep, part, rank)
+                assert abs(held[rank][index][part] - planned[part]) <= slack, (name, tp, ep, pp, part, rank)
     plain = memory_plan.model_state_bytes(hf_config, dataclasses.replace(config, distributed_optimizer=False))
     assert 0 < held[0][-1]["optimizer_states"] < 0.51 * plain["optimizer_states"]
     # A mutant that forgets the frozen norm (its gradient buffer and Adam states) is caught.
@@ -7333,6 +7434,22 @@ def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_
     assert abs(halved / peak - 1) > PLAN_ACTIVATION_TOLERANCE
 
 
+def test_memory_plan_proposes_only_stage_counts_that_divide_the_layers():
+    """DeepSeek-V3's 61 layers: --pp 4 is refused as the run refuses it (megatron_model
+    builds even stages), and the search for TP 8, EP 8 on 256 x 80GB proposes no --pp."""
+    hf_config = tiny_model.PUBLISHED_CONFIGS["deepseek-v3"][0]
+    config = memory_plan.PlanConfig(world_size=256, tp=8, ep=8, rollout_tp=128, auto_draft=False,
+                                    distributed_optimizer=True, gpu_memory_utilization=0.2, micro_batch_tokens=1024,
+                                    device_memory=80 * 10**9)
+    assert memory_plan.layout_problems(hf_config, dataclasses.replace(config, pp=4)) == [
+        "--pp 4: expected a divisor of the 61 layers"]
+    changes, _ = memory_plan.what_to_change(hf_config, config)
+    print(changes)
+    assert not any(change.startswith("--pp") for change in changes)
+    assert memory_plan.layout_problems(tiny_model.builtin_config("deepseek")[1], dataclasses.replace(
+        config, world_size=2, tp=1, ep=1, rollout_tp=1, pp=2)) == []
+
+
 def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
     """MiMo-7B-RL (published size) at TP 1 on 8 x 80GB does not fit; the plan names flags
     after which it does, and that plan fits. Sizes parse in GB and GiB; bad ones are named."""
@@ -7353,21 +7470,24 @@ def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
 
 
 def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_path):
-    """--plan for the built-in deepseek model at --tp 2 --ep 2 on a world of 8: the plan per
-    device, exit 0, no process group (no torchrun), nothing written to --out."""
+    """--plan for the built-in deepseek model at --tp 2 --ep 2 --pp 2 on a world of 8: the plan
+    per device (its busiest stage), exit 0, no process group (no torchrun), nothing written
+    to --out."""
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "train_grpo.py", "--plan", "--builtin-model", "deepseek", "--tp", "2",
-                           "--ep", "2", "--plan-world-size", "8", "--device-memory", "1GB", "--out", str(out)],
+                           "--ep", "2", "--pp", "2", "--plan-world-size", "8", "--device-memory", "1GB",
+                           "--out", str(out)],
                           cwd=REPO_DIR, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
     assert done.returncode == 0, done.stderr
     hf_config = tiny_model.builtin_config("deepseek")[1]
     # The default run's micro-batch: 16 prompts x 8 completions, each its answer and a 256-token prompt.
     tokens = 16 * 8 * (tasks.TASKS["repeat"]["length"] + flags.MIN_MODEL_LEN)
-    # Data-parallel size 4: the distributed optimizer is on.
-    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, micro_batch_tokens=tokens, device_memory=10**9,
+    # Data-parallel size 2: the distributed optimizer is on.
+    config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, pp=2, micro_batch_tokens=tokens, device_memory=10**9,
                                     distributed_optimizer=True)
     assert done.stdout.strip().endswith(memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config))
-    assert "world 8 = tp 2 x cp 1 x pp 1 x dp 4; experts ep 2 x expert-dp 2" in done.stdout
+    assert ("world 8 = tp 2 x cp 1 x pp 2 x dp 2; experts ep 2 x expert-dp 1, pipeline stage 1 of 2 (the busiest)"
+            in done.stdout)
     assert not out.exists()
 
 
