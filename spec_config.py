@@ -385,11 +385,16 @@ def set_draft_schedule(llm, draft_tokens_per_band):
     """Draft `draft_tokens_per_band[b]` tokens per verify step (0: none) at every batch size
     of band b (BAND_EDGES) from the next engine step on, on an engine built with
     `dynamic_speculative_config`; each at most its num_speculative_tokens. With k = 0 the
-    draft still reads each step (one draft-layer forward) to keep its cache in step."""
+    draft still reads each step (one draft-layer forward) to keep its cache in step: a band
+    further on may draft. None: no band drafts and the draft layer is idle (`idle_draft`):
+    the engine decodes as one without a speculative config would."""
     scheduler = _scheduler(llm)
     if scheduler.dynamic_sd_lookup is None:
         raise ValueError(f"this engine has no {DYNAMIC_SCHEDULE_KEY}; build its speculative_config with "
                          "dynamic_speculative_config")
+    idle_draft(llm, draft_tokens_per_band is None)
+    if draft_tokens_per_band is None:
+        draft_tokens_per_band = [0] * len(BAND_EDGES)
     if len(draft_tokens_per_band) != len(BAND_EDGES) or not all(
             isinstance(k, int) and 0 <= k <= scheduler.num_spec_tokens for k in draft_tokens_per_band):
         raise ValueError(f"draft_tokens_per_band={draft_tokens_per_band!r}: expected {len(BAND_EDGES)} ints (one "
@@ -397,6 +402,40 @@ def set_draft_schedule(llm, draft_tokens_per_band):
                          f"{scheduler.num_spec_tokens}")
     lookup = scheduler.dynamic_sd_lookup  # index: batch size (0 unused)
     lookup[1:] = [draft_tokens_per_band[band_of(size)] for size in range(1, len(lookup))]
+
+
+def idle_draft(llm, idle):
+    """Skip (`idle` True) or run again the draft layer of `llm` (a drafting engine in this
+    process) at every engine step that drafts no token; returns whether it was idle.
+
+    At k = 0 vLLM 0.32 still runs the drafter's first forward each step, so that its KV
+    cache holds every position a later step may draft from (EagleProposer.propose). Where a
+    whole rollout drafts nothing that forward buys nothing: skipped, the step's drafts are
+    the empty [requests, 0] ids it would have returned. The positions decoded idle then hold
+    no draft keys and values, so leaving idle empties the prefix cache: no later request
+    drafts from blocks the draft layer never wrote."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    propose = runner.propose_draft_token_ids
+    if not hasattr(propose, "idle"):
+        propose = _idle_able(runner, propose)
+        runner.propose_draft_token_ids = propose
+    was_idle, propose.idle = propose.idle, bool(idle)
+    if was_idle and not idle:
+        llm.reset_prefix_cache()
+    return was_idle
+
+
+def _idle_able(runner, propose):
+    """`runner.propose_draft_token_ids` (`propose`) skipped while its `idle` attribute is set
+    and the step drafts no token."""
+    def propose_unless_idle(scheduler_output, *args, **kwargs):
+        if propose_unless_idle.idle and scheduler_output.num_spec_tokens_to_schedule == 0:
+            runner._draft_probs = runner._draft_prob_req_ids = None
+            return torch.empty(runner.input_batch.num_reqs, 0, dtype=torch.int64)
+        return propose(scheduler_output, *args, **kwargs)
+
+    propose_unless_idle.idle = False
+    return propose_unless_idle
 
 
 def set_draft_tokens(llm, num_tokens):

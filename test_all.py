@@ -4221,6 +4221,67 @@ def test_rollout_eager_token_ranks_count_as_vllms_compiled_function():
     assert result["sampler_counts_eagerly"]
 
 
+def _one_engine_under_auto(checkpoint):
+    """build_engines under auto, counting the vLLM engines it builds; greedy tokens of its
+    engine with the draft layer idle (counting the draft layer's forwards), at k = 0 in
+    every band and at k = 1, against an engine without a speculative config."""
+    import vllm
+    from vllm import SamplingParams
+
+    cpu_backend.init_distributed()
+    built = []
+    original = vllm.LLM.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(kwargs.get("speculative_config"))
+        original(self, *args, **kwargs)
+
+    vllm.LLM.__init__ = counted
+    config = rollout.RolloutConfig(max_model_len=256, kv_cache_bytes=WEIGHT_SYNC_KV_CACHE_BYTES)
+    engines = rollout.build_engines(checkpoint, config, 0)
+    result = {"built": built, "schedule": engines.schedule, "tuner": engines.tuner is not None}
+    plain = rollout.build_engine(checkpoint, config, 0)
+    vllm.LLM.__init__ = original
+    drafter = engines.llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.model
+    forwards = []
+    drafter.register_forward_hook(lambda *_: forwards.append(1))
+    resets = []
+    reset = engines.llm.reset_prefix_cache
+    engines.llm.reset_prefix_cache = lambda: resets.append(1) or reset()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def tokens(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False)]
+    result["plain"] = tokens(plain)
+    for name, schedule in (("idle", None), ("k0", [0] * len(spec_config.BAND_EDGES)),
+                           ("k1", [1] * len(spec_config.BAND_EDGES)), ("idle_again", None)):
+        before = len(forwards)
+        engines.set_schedule(schedule)
+        engines.band_meter.read()
+        result[name] = {"tokens": tokens(engines.llm), "draft_forwards": len(forwards) - before,
+                        "drafted": sum(band["drafted"] for band in engines.band_meter.read().values()),
+                        "resets": len(resets)}
+    return result
+
+
+def test_rollout_one_engine_per_device_under_auto_its_draft_idle_where_no_band_drafts(tiny_checkpoint):
+    result, = run_in_processes(_one_engine_under_auto, args=(tiny_checkpoint,), env=VLLM_ENV)
+    # One engine, built to draft with a per-batch-size k up to --max-speculative-tokens; the
+    # tuner's first plan decides whether and how deep it drafts (until then, idle).
+    speculative, plain = result["built"]
+    assert plain is None and speculative["num_speculative_tokens"] == rollout.RolloutConfig().draft_tokens
+    assert speculative[spec_config.DYNAMIC_SCHEDULE_KEY] and result["tuner"] and result["schedule"] is None
+    # Idle: no draft-layer forward, no drafts, the plain engine's greedy tokens. At k = 0 the
+    # draft layer still runs (its KV cache kept for bands that draft); k = 1 drafts. Leaving
+    # idle empties the prefix cache (blocks the draft layer never wrote), entering it does not.
+    assert result["idle"]["draft_forwards"] == 0 and result["idle"]["drafted"] == 0
+    assert result["k0"]["draft_forwards"] > 0 and result["k0"]["drafted"] == 0
+    assert result["k1"]["drafted"] > 0 and result["idle_again"]["draft_forwards"] == 0
+    assert [result[name]["resets"] for name in ("idle", "k0", "k1", "idle_again")] == [0, 1, 1, 1]
+    for name in ("idle", "k0", "k1", "idle_again"):
+        assert result[name]["tokens"] == result["plain"], name
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_rollout_records_vllm_moe_routing_and_megatron_replays_it(moe_checkpoints, family):
     result, = run_in_processes(_moe_routing_replay, args=(moe_checkpoints[family],), env=VLLM_ENV)

@@ -229,11 +229,11 @@ def refusing(function, *args):
 # ---------------------------------------------------------------------------------------
 
 def sync_weights(engines, policy, step):
-    """The sync phase: push every weight, MTP draft included, into the engine that rolled
-    out (woken on a GPU; the other catches up when it is next used) and check its draft
-    every --check-draft-every steps. The next rollout probes what it holds (sample_batch)."""
+    """The sync phase: push every weight, MTP draft included, into the engine (woken on a
+    GPU) and check its draft every --check-draft-every steps. The next rollout probes what
+    it holds (sample_batch)."""
     checkpoint.fault_point("sync", step)
-    rollout.push_weights(engines, engines.active(), policy.model, step)
+    rollout.push_weights(engines, policy.model, step)
 
 
 def evaluate(run, step):
@@ -305,8 +305,8 @@ def header(run, args):
     s, defaults = run.settings, vars(flags.parse_args([]))
     changed = [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items() if value != defaults[name]]
     dp = run.world_size // (s.tp * s.cp * s.pp)
-    auto, draft_tokens = flags.draft_plan(s)
-    drafting = (f"auto, k in 0..{draft_tokens}" if auto else f"k = {draft_tokens}") if s.mtp_rollout else "off"
+    drafting = (f"auto, k in 0..{s.draft_tokens}" if s.auto_draft else f"k = {s.draft_tokens}") if s.mtp_rollout \
+        else "off"
     return "\n".join([
         f"train_grpo.py: {s.model or f'built-in {s.builtin_model} model ({run.model_dir})'}, "
         + (f"--data {s.data}" if s.data else f"task {s.task}") + f", {s.steps} steps, out {s.out}",
@@ -532,7 +532,7 @@ def run_step(run, step):
     # Tune: how many tokens the MTP head drafts in this rollout (auto)
     with timer("tune"):
         checked, tried = rollout.tune_draft_tokens(engines, policy.model, run.tokenizer, examples_now, step,
-                                                   run.check_params, s.acceptance_check_every, s.tune_every, run.rank)
+                                                   run.check_params, run.rank)
     # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting;
     # rewards and GRPO advantages (--dynamic-sampling: more rollouts for informative groups)
     with timer("rollout"):
