@@ -405,37 +405,53 @@ def set_draft_schedule(llm, draft_tokens_per_band):
 
 
 def idle_draft(llm, idle):
-    """Skip (`idle` True) or run again the draft layer of `llm` (a drafting engine in this
-    process) at every engine step that drafts no token; returns whether it was idle.
+    """Idle (`idle` True) or wake the draft of `llm` (a drafting engine in this process) at
+    every engine step that drafts no token; returns whether it was idle.
 
-    At k = 0 vLLM 0.32 still runs the drafter's first forward each step, so that its KV
-    cache holds every position a later step may draft from (EagleProposer.propose). Where a
-    whole rollout drafts nothing that forward buys nothing: skipped, the step's drafts are
-    the empty [requests, 0] ids it would have returned. The positions decoded idle then hold
-    no draft keys and values, so leaving idle empties the prefix cache: no later request
-    drafts from blocks the draft layer never wrote."""
+    At k = 0 vLLM 0.32 still does a drafting step's work: the drafter's first forward, so
+    that its KV cache holds every position a later step may draft from
+    (EagleProposer.propose), and the verify path, whose rejection sampler runs with no
+    draft (GPUModelRunner._prepare_inputs builds spec-decode metadata whenever the engine
+    has a speculative config). Where a whole rollout drafts nothing, neither buys
+    anything: idle, a step without drafts is prepared and sampled as in an engine without
+    a speculative config, and its drafts are the empty [requests, 0] ids the drafter
+    would have returned. The positions decoded idle hold no draft keys and values, so
+    waking empties the prefix cache: no later request drafts from blocks the draft layer
+    never wrote."""
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    propose = runner.propose_draft_token_ids
-    if not hasattr(propose, "idle"):
-        propose = _idle_able(runner, propose)
-        runner.propose_draft_token_ids = propose
-    was_idle, propose.idle = propose.idle, bool(idle)
+    switch = getattr(runner, "idle_draft", None)
+    if switch is None:
+        switch = runner.idle_draft = IdleDraft(runner)
+    was_idle, switch.idle = switch.idle, bool(idle)
     if was_idle and not idle:
         llm.reset_prefix_cache()
     return was_idle
 
 
-def _idle_able(runner, propose):
-    """`runner.propose_draft_token_ids` (`propose`) skipped while its `idle` attribute is set
-    and the step drafts no token."""
-    def propose_unless_idle(scheduler_output, *args, **kwargs):
-        if propose_unless_idle.idle and scheduler_output.num_spec_tokens_to_schedule == 0:
-            runner._draft_probs = runner._draft_prob_req_ids = None
-            return torch.empty(runner.input_batch.num_reqs, 0, dtype=torch.int64)
-        return propose(scheduler_output, *args, **kwargs)
+class IdleDraft:
+    """Wraps a vLLM model runner's `_prepare_inputs` and `propose_draft_token_ids`: while
+    `idle`, a step that verifies and drafts no token skips the spec-decode metadata (so the
+    plain sampler samples it) and the drafter (see `idle_draft`)."""
 
-    propose_unless_idle.idle = False
-    return propose_unless_idle
+    def __init__(self, runner):
+        self.idle, self.runner = False, runner
+        self.prepare, self.propose = runner._prepare_inputs, runner.propose_draft_token_ids
+        runner._prepare_inputs, runner.propose_draft_token_ids = self.prepare_inputs, self.propose_draft_token_ids
+
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if not self.idle or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            return self.prepare(scheduler_output, *args, **kwargs)
+        speculative, self.runner.speculative_config = self.runner.speculative_config, None
+        try:
+            return self.prepare(scheduler_output, *args, **kwargs)
+        finally:
+            self.runner.speculative_config = speculative
+
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        if not self.idle or scheduler_output.num_spec_tokens_to_schedule:
+            return self.propose(scheduler_output, *args, **kwargs)
+        self.runner._draft_probs = self.runner._draft_prob_req_ids = None
+        return torch.empty(self.runner.input_batch.num_reqs, 0, dtype=torch.int64)
 
 
 def set_draft_tokens(llm, num_tokens):
