@@ -544,7 +544,7 @@ BAND_COUNTS = ("steps", "seconds", "tokens", "drafted", "accepted")
 def all_engines_bands(engines, bands, rank):
     """One engine's BandMeter.read() -> every engine's, summed (each engine counted once, by
     its rollout-TP rank 0), the same on every rank: {band: {steps, seconds, tokens,
-    drafted, accepted, k}}, k from the rollout's schedule (0 on the plain engine). Every
+    drafted, accepted, k}}, k from the rollout's schedule (0 where none drafts). Every
     rank then sees the same speeds and the tuner chooses alike."""
     counts = torch.zeros(len(spec_config.BAND_EDGES), len(BAND_COUNTS), dtype=torch.float64)
     if rank % engines.config.rollout_tp == 0:

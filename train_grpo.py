@@ -250,8 +250,8 @@ def evaluate(run, step):
 def draft_record(engines, acceptance, checked, tried):
     """The step's drafting metrics: draft_tokens (the most the rollout drafted in any band,
     0: none), draft_schedule (its k per band of batch sizes, spec_config.BAND_EDGES; None:
-    the plain engine), bands (per band the rollout ran: {steps, seconds, tokens, drafted,
-    accepted, k}, summed over engines), the rollout's acceptance_rate,
+    none drafts, the draft idle), bands (per band the rollout ran: {steps, seconds, tokens,
+    drafted, accepted, k}, summed over engines), the rollout's acceptance_rate,
     mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the share of verify
     steps that accepted the first i drafts; None without drafting), and under auto
     check_acceptance_by_depth (the tune phase's check, at the deepest k, on the steps it
