@@ -137,6 +137,10 @@ def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False)
     `dynamic`: switchable down to 0 per rollout)."""
     from vllm import LLM
     eager_token_ranks()
+    # vLLM collects garbage four times while it loads a drafting engine's weights, then
+    # freezes the heap. Frozen first, once vLLM is imported, the trainer's objects and every
+    # module's (torch, megatron, vLLM, transformers) are not walked by each collection.
+    gc.freeze()
     config, rc = _config(model_dir), rollout_config
     options = dict(model=model_dir, tensor_parallel_size=rc.rollout_tp,
                    distributed_executor_backend="external_launcher", dtype=rc.dtype, max_model_len=rc.max_model_len,
@@ -310,10 +314,6 @@ def build_engines(model_dir, rollout_config, rank):
     auto switched per rollout (its k = 0 bands through its own schedule, and with no band
     drafting its draft layer idle); without, one plain engine."""
     rc = rollout_config
-    # vLLM collects garbage several times while it builds an engine, then freezes the heap.
-    # Frozen first, the trainer's objects (the policy, megatron's and torch's modules) are
-    # not walked by every one of those collections.
-    gc.freeze()
     draft_tokens = rc.draft_tokens if rc.mtp_rollout else 0
     llm = build_engine(model_dir, rc, rank, draft_tokens=draft_tokens, dynamic=rc.auto_draft)
     num_bands = len(spec_config.BAND_EDGES)

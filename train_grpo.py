@@ -25,6 +25,7 @@ acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in O
 
 import copy
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -35,6 +36,10 @@ import time
 
 # The process's start: what the imports below and the run's start cost is reported from it.
 IMPORTS_STARTED = time.perf_counter()
+if __name__ == "__main__":
+    # The imports and the run's start allocate millions of objects that live for the run:
+    # collections would walk a growing heap for nothing. Off until `start` freezes them.
+    gc.disable()
 
 
 def shared_memory_names():
@@ -360,6 +365,8 @@ def start(run_settings, resume_dir, examples, held_out, stop, inputs):
     params = rollout.sampling_params(s.group_size, s.temperature, s.max_new_tokens, ignore_eos=s.ignore_eos)
     check_params = rollout.sampling_params(s.group_size, s.temperature, draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                            ignore_eos=True)
+    gc.freeze()
+    gc.enable()
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
                model_dir, lock, stop, inputs, params, check_params, flags.train_config(s),
                start_seconds=timer.seconds)
