@@ -5950,6 +5950,32 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
 
 
+@pytest.mark.parametrize("argv, has_mtp, expected", [
+    ([], True, (True, True, 3)),
+    (["--max-speculative-tokens", "2"], True, (True, True, 2)),
+    (["--num-speculative-tokens", "2"], True, (True, False, 2)),
+    (["--no-mtp-rollout"], True, (False, False, 3)),
+    ([], False, (False, False, 3)),
+])
+def test_flags_drafting_is_settled_once_and_every_reader_takes_it(argv, has_mtp, expected):
+    """--num-speculative-tokens, --max-speculative-tokens, --mtp-rollout and the model's MTP
+    layers settle (mtp_rollout, auto_draft, draft_tokens) in resolve; the engine's config
+    and the tune and check periods follow them, and auto without MTP rollout is refused."""
+    args = flags.parse_args(argv + ["--tune-every", "7", "--acceptance-check-every", "3"])
+    hf_config = {**tiny_model.builtin_config("tiny")[1], **({} if has_mtp else {"num_nextn_predict_layers": 0})}
+    settings = flags.resolve(args, hf_config, world_size=2)
+    assert (settings.mtp_rollout, settings.auto_draft, settings.draft_tokens) == expected
+    settings.max_model_len = 64  # rollout_context's, once the prompts are tokenized
+    config = flags.rollout_config(settings)
+    assert (config.mtp_rollout, config.auto_draft, config.draft_tokens) == expected
+    assert (config.tune_every, config.acceptance_check_every) == (7, 3)
+    defaults = flags.parse_args([])
+    assert (defaults.tune_every, defaults.acceptance_check_every) == (rollout.RolloutConfig().tune_every,
+                                                                       rollout.RolloutConfig().acceptance_check_every)
+    with pytest.raises(ValueError, match="auto_draft needs mtp_rollout"):
+        rollout.RolloutConfig(mtp_rollout=False, auto_draft=True)
+
+
 def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_name():
     where = "the built-in qwen3.5 model"
     assert flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
