@@ -40,6 +40,12 @@ if __name__ == "__main__":
     # The imports and the run's start allocate millions of objects that live for the run:
     # collections would walk a growing heap for nothing. Off until `start` freezes them.
     gc.disable()
+    # megatron-core imports W&B, where installed, for logging this project does not use: a
+    # second of CPU per process. Kept out while the modules below import; a run with
+    # --wandb-project imports it itself (run_log).
+    WANDB_KEPT_OUT = "wandb" not in sys.modules and not any(arg.startswith("--wandb") for arg in sys.argv[1:])
+    if WANDB_KEPT_OUT:
+        sys.modules["wandb"] = None
 
 
 def shared_memory_names():
@@ -75,6 +81,9 @@ import tiny_model  # noqa: E402
 import trainer  # noqa: E402
 from cpu_backend import init_distributed, init_model_parallel  # noqa: E402
 from flags import usage_error  # noqa: E402
+
+if __name__ == "__main__" and WANDB_KEPT_OUT:
+    del sys.modules["wandb"]
 
 # The built-in models are written once, here, and reused by every later run.
 BUILTIN_MODELS_DIR = "runs"
