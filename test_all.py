@@ -7021,6 +7021,20 @@ def test_memory_plan_activations_are_within_a_quarter_of_a_train_steps_measured_
     assert abs(halved / peak - 1) > PLAN_ACTIVATION_TOLERANCE
 
 
+def test_memory_plan_one_engine_per_device_drafting_or_not():
+    """One vLLM engine per device whatever the drafting: the drafting one (weights and KV
+    cache with the MTP layer) under MTP rollout, a plain one without; one KV cache."""
+    hf_config = tiny_model.PUBLISHED_CONFIGS["mimo-7b-rl"][0]
+    config = memory_plan.PlanConfig(world_size=8, device_memory=memory_plan.parse_bytes("80GB"))
+    (name, weights, kv, per_token), = memory_plan.rollout_engines(hf_config, config)
+    assert name == "drafting" and per_token == memory_plan.kv_bytes_per_token(hf_config, config, True)
+    assert weights + kv == int(config.gpu_memory_utilization * config.device_memory)
+    (name, _, _, per_token), = memory_plan.rollout_engines(hf_config, dataclasses.replace(config, mtp_rollout=False))
+    assert name == "plain" and per_token == memory_plan.kv_bytes_per_token(hf_config, config, False)
+    plan = memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config)
+    assert plan.count("KV cache") == 1 and "plain engine" not in plan
+
+
 def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():
     """MiMo-7B-RL (published size) at TP 1 on 8 x 80GB does not fit; the plan names flags
     after which it does, and that plan fits. Sizes parse in GB and GiB; bad ones are named."""
