@@ -209,8 +209,9 @@ def seeded_params(count, rollout):
 def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
     """auto as train_grpo runs it (draft_tuner's plan and after_rollout): an acceptance check
     at the deepest k, then rollouts at the variant the tuner names until it settles; returns
-    (the k it settles on at this concurrency, which `dynamic` is left set to unless 0; the
-    variants tried in order, "plain" or a k; the tuner)."""
+    (the k it settles on at this concurrency, which `dynamic` is left set to, its draft
+    layer idle where no band drafts; the variants tried in order, "plain" or a k; the
+    tuner)."""
     from vllm import SamplingParams
     check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                   ignore_eos=True)
@@ -220,19 +221,18 @@ def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
         return dynamic_meter.read(dynamic.generate(prompts, check_params, use_tqdm=False))
 
     tuner = draft_tuner.DraftTuner(SPEC_MAX_DRAFT_TOKENS, len(spec_config.BAND_EDGES))
-    band_meters = {id(engine): spec_config.BandMeter(engine) for engine in (fixed[0], dynamic)}
+    band_meter = spec_config.BandMeter(dynamic)
     # Neither a second check nor a second round of tries falls in the rollouts measured here.
     planning = dict(check_every=10**9, tune_every=10**9)
     schedule, _ = rollout.plan_draft_tokens(tuner, dynamic, 1, check, drafting=False, **planning)
     tried = []
     while tuner.exploring():
         tried.append(draft_tuner.PLAIN if schedule is None else schedule[0])
-        engine = fixed[0] if schedule is None else dynamic
-        band_meters[id(engine)].read()
-        _, outputs = rollout_tokens_per_second(engine, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
+        band_meter.read()
+        _, outputs = rollout_tokens_per_second(dynamic, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
         drafting = schedule is not None and any(schedule)
         tuner.after_rollout(schedule, {band: (counts["tokens"], counts["seconds"])
-                                       for band, counts in band_meters[id(engine)].read().items()},
+                                       for band, counts in band_meter.read().items()},
                             dynamic_meter.read(outputs) if drafting else None)
         schedule, _ = rollout.plan_draft_tokens(tuner, dynamic, 1 + len(tried), check, drafting=drafting, **planning)
     return (schedule[spec_config.band_of(len(prompts))] if schedule else 0), tried, tuner
@@ -241,8 +241,8 @@ def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
 def measure_spec_rollout(checkpoint, threads):
     """Runs in a spawned process: per concurrency B, tokens/s of the same rollout (the
     count task's training prompts, temperature 1, SPEC_NEW_TOKENS tokens, no EOS) with
-    k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (a plain and a
-    dynamic drafting engine, k chosen by `auto_draft_tokens`), each the median of
+    k = 0 (an engine without drafting), k = 1..3 (an engine each) and auto (one dynamic
+    drafting engine, k chosen by `auto_draft_tokens`), each the median of
     SPEC_REPEATS interleaved runs; the k = 3 engine's acceptance per depth; auto's tries,
     choice and seconds to choose."""
     from transformers import AutoTokenizer
@@ -255,13 +255,13 @@ def measure_spec_rollout(checkpoint, threads):
     for concurrency in SPEC_CONCURRENCIES:
         prompts = [{"prompt_token_ids": tokenizer.encode(f"count:{training_prompts[i % len(training_prompts)]}")}
                    for i in range(concurrency)]
-        # As in training, the plain engine has rolled out at this concurrency before (its
-        # first rollout is slower).
-        rollout_tokens_per_second(fixed[0], prompts, seeded_params(concurrency, 0))
+        # As in training, the engine has rolled out at this concurrency before (its first
+        # rollout is slower).
+        rollout_tokens_per_second(dynamic, prompts, seeded_params(concurrency, 0))
         start = time.perf_counter()
         auto, tried, tuner = auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts)
         tune_seconds = time.perf_counter() - start
-        runs = dict(fixed, auto=dynamic if auto else fixed[0])
+        runs = dict(fixed, auto=dynamic)
         speeds = {name: [] for name in runs}
         for repeat in range(SPEC_REPEATS + 1):  # the first round warms up
             for name, engine in runs.items():

@@ -57,7 +57,8 @@ KILL_AT_ENV = "TRAIN_GRPO_KILL_AT"
 # logs, its length and the optimizer's step size. Any other flag makes it another run.
 RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints", "eval_every", "tensorboard",
                      "verbose", "wandb_project", "lr", "grad_clip", "micro_batches", "max_tokens_per_micro_batch",
-                     "mtp_rollout", "num_speculative_tokens", "max_speculative_tokens", "tune_every",
+                     "mtp_rollout", "num_speculative_tokens", "max_speculative_tokens", "auto_draft", "draft_tokens",
+                     "tune_every",
                      "acceptance_check_every", "check_draft_every", "spec_config", "gpu_memory_utilization",
                      "kv_cache_bytes", "shared_prefix", "reward_timeout", "resume_with_changed_inputs")
 # What a checkpoint saved before a flag existed ran with.

@@ -12,7 +12,7 @@ next), while a few real rollouts taking turns over k measure each to a few perce
     tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
     for step in steps:
         schedule, checked = tuner.plan(step, check, check_every=5, tune_every=50, drafting=drafted)
-        ...roll out: the plain engine (schedule None), else the drafting one at schedule[band]
+        ...roll out: no drafts, the draft idle (schedule None), else schedule[band]
            in each band of batch sizes, counting each band's tokens and seconds...
         tuner.after_rollout(schedule, {band: (tokens, seconds)}, acceptance)
         ...train...; tuner.observe_estimate(the step's estimate of A_1, or None)
@@ -64,8 +64,8 @@ MIN_DRAFT_COST = 0.05
 # deepest k) and prompts per engine (each with the rollout's completions per prompt).
 ACCEPTANCE_CHECK_TOKENS = 12
 ACCEPTANCE_CHECK_PROMPTS = 2
-# The engine without a speculative config: at k = 0 it decodes faster than a drafting
-# engine at k = 0, whose draft layer still runs every step.
+# No band drafts and the draft is idle (spec_config.idle_draft): faster than k = 0 in every
+# band, where the draft layer still runs every step (for bands further on that draft).
 PLAIN = "plain"
 
 
@@ -79,9 +79,9 @@ class DraftTuner:
     tokens and seconds per band. `plan` and `after_rollout` (above in the module
     docstring) are the whole use.
 
-    The tries: the next rollouts take turns over the variants, `rounds` each: the plain
-    engine (PLAIN), the drafting engine at k = 0, and at every k that could pay (PLAIN, 0, 1,
-    2, 3, PLAIN, 0, ...), each at one k for every band. A k could pay only where a verify
+    The tries: the next rollouts take turns over the variants, `rounds` each: the draft
+    idle (PLAIN), k = 0 with the draft layer running, and at every k that could pay
+    (PLAIN, 0, 1, 2, 3, PLAIN, 0, ...), each at one k for every band. A k could pay only where a verify
     step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at least 1 +
     margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x
     MIN_DRAFT_COST): a random draft is not tried. Each variant counts its fastest try per
@@ -89,11 +89,11 @@ class DraftTuner:
 
     The choice (`choose`, after the tries): per band, the drafting k fastest there (k > 0
     must beat k = 0 by `margin`, so noise does not buy a slower band); that schedule's
-    rollout time, the tries' tokens per band over each band's speed, against the plain
-    engine's, which must be slower by `margin` for the drafting engine to roll out. Between
+    rollout time, the tries' tokens per band over each band's speed, against PLAIN's, which
+    must be slower by `margin` for any band to draft. Between
     tries a band's speed at k follows the tokens its steps emit, so each tried speed is
     scaled by 1 + A_1 + ... + A_k now over then: a draft the policy left behind drops its
-    bands to k = 0, and the plain engine once no band drafts. `retry` (a fraction): the
+    bands to k = 0, and PLAIN once no band drafts. `retry` (a fraction): the
     tries are stale once the tokens a deepest-k step emits rose this much since they ended;
     a fall needs no tries, the scaled speeds already draft less. Its state is plain data
     (`state_dict`, `load_state_dict`) for checkpoints.
@@ -150,7 +150,7 @@ class DraftTuner:
 
     def try_each(self):
         """Line up the tries of PLAIN, k = 0 and every k that could pay at the current
-        acceptance (none where no drafting k could: then the plain engine)."""
+        acceptance (none where no drafting k could: then PLAIN)."""
         candidates = [k for k in range(1, self.max_tokens + 1)
                       if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
         variants = [PLAIN, 0, *candidates] if candidates else []
@@ -206,7 +206,7 @@ class DraftTuner:
 
     def _fastest_schedule(self, acceptance=None):
         """Per band the fastest drafting k (its speed scaled to `acceptance`, default
-        today's), where the bands' rollout time beats the plain engine's; else None."""
+        today's), where the bands' rollout time beats PLAIN's; else None."""
         plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
         schedule, drafting_seconds, plain_seconds = [], 0.0, 0.0
         for band in range(self.num_bands):

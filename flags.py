@@ -319,10 +319,10 @@ def add_mtp_flags(p):
                         "could pay, and the fastest stays")
     p.add_argument("--max-speculative-tokens", type=POSITIVE_INT, default=ROLLOUT.draft_tokens,
                    help="the deepest k auto considers")
-    p.add_argument("--tune-every", type=POSITIVE_INT, default=50,
+    p.add_argument("--tune-every", type=POSITIVE_INT, default=ROLLOUT.tune_every,
                    help="auto: every N steps (and at the first) the rollouts try each k that could pay again, in "
                         "turns, on the current weights")
-    p.add_argument("--acceptance-check-every", type=POSITIVE_INT, default=5,
+    p.add_argument("--acceptance-check-every", type=POSITIVE_INT, default=ROLLOUT.acceptance_check_every,
                    help="auto, while no rollout drafts and the trainer estimates no acceptance (--mtp-target sampled): "
                         "every N steps measure the draft's acceptance at every depth on "
                         f"{draft_tuner.ACCEPTANCE_CHECK_PROMPTS} of the step's prompts per engine")
@@ -386,7 +386,7 @@ def layout_problems(args, world_size):
         problems.append("--tensorboard: the tensorboard package is not installed; pip install tensorboard or pass "
                         "--no-tensorboard")
     try:
-        spec_config.build_mtp_speculative_config("mtp", draft_plan(args)[1], args.spec_config)
+        spec_config.build_mtp_speculative_config("mtp", draft_plan(args, mtp_rollout=True)[1], args.spec_config)
     except (TypeError, ValueError, RuntimeError) as error:
         problems.append(f"--spec-config {args.spec_config!r}: {error}")
     return problems + checkpoint.out_problems(args.out, args.resume)
@@ -580,16 +580,18 @@ def flag_problems(args, world_size):
 def resolve(args, hf_config, world_size=1):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
     ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix,
-    distributed_optimizer (from `world_size`) and the built-in model's name);
-    `args` is untouched."""
+    distributed_optimizer (from `world_size`), the built-in model's name, `draft_plan`'s
+    auto_draft and draft_tokens); `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
+    mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
+    auto_draft, draft_tokens = draft_plan(args, mtp_rollout)
     derived = {
         "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None else (
             DATA_MAX_NEW_TOKENS if args.data else tasks.TASKS[args.task]["length"]),
         # A built-in task without EOS samples exactly max_new_tokens; data and walk end at EOS.
         "ignore_eos": args.data is None and not tasks.TASKS[args.task]["eos"],
         "lr": args.lr if args.lr is not None else DATA_LR if args.data else tasks.TASKS[args.task]["lr"],
-        "mtp_rollout": has_mtp if args.mtp_rollout is None else args.mtp_rollout,
+        "mtp_rollout": mtp_rollout, "auto_draft": auto_draft, "draft_tokens": draft_tokens,
         "mtp_train": args.mtp_train and has_mtp,
         "routing_replay": ("n_routed_experts" in hf_config and args.pp == 1) if args.routing_replay is None
         else args.routing_replay,
@@ -624,9 +626,8 @@ def rollout_context(settings, hf_config, longest_prompt):
     max_position_embeddings. A published 128k context would ask for KV cache the run never
     uses. On CPU, where --kv-cache-bytes sizes the cache, a context that does not fit it is
     a `usage_error` (train_grpo asks once the tokenizer loads, before any model)."""
-    auto, draft_tokens = draft_plan(settings)
-    generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if auto else 0)
-    drafts = draft_tokens if settings.mtp_rollout else 0
+    generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if settings.auto_draft else 0)
+    drafts = settings.draft_tokens if settings.mtp_rollout else 0
     max_model_len = min(max(longest_prompt + generated + drafts, MIN_MODEL_LEN), settings.max_positions)
     # vLLM holds a request's context in whole blocks, plus one block it keeps empty.
     block = MLA_KV_BLOCK_TOKENS if "kv_lora_rank" in hf_config else KV_BLOCK_TOKENS
@@ -645,11 +646,12 @@ def rollout_context(settings, hf_config, longest_prompt):
 # Each module's config from the resolved settings
 # ---------------------------------------------------------------------------------------
 
-def draft_plan(settings):
-    """--num-speculative-tokens settled: (auto, k) where k is the fixed number of draft
-    tokens, or under auto the deepest it tries (--max-speculative-tokens)."""
-    auto = settings.num_speculative_tokens == "auto"
-    return auto, settings.max_speculative_tokens if auto else settings.num_speculative_tokens
+def draft_plan(args, mtp_rollout):
+    """--num-speculative-tokens settled, the one reader of "auto": (auto_draft: the MTP head
+    drafts a k chosen per rollout, draft_tokens: the fixed k or auto's deepest), which
+    `resolve` keeps in the settings for every other reader."""
+    auto = args.num_speculative_tokens == "auto"
+    return mtp_rollout and auto, args.max_speculative_tokens if auto else args.num_speculative_tokens
 
 
 def settings_config(settings, config_class, **given):
@@ -685,19 +687,18 @@ def plan_config(settings, world_size, bf16):
     return memory_plan.PlanConfig(
         world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, pp=settings.pp, bf16=bf16,
         distributed_optimizer=settings.distributed_optimizer,
-        mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout,
-        auto_draft=settings.num_speculative_tokens == "auto", reference_model=settings.kl_coef > 0,
+        mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout, reference_model=settings.kl_coef > 0,
         micro_batch_tokens=settings.max_tokens_per_micro_batch or sequences * (settings.max_new_tokens + MIN_MODEL_LEN),
         rollout_tp=settings.rollout_tp,
         gpu_memory_utilization=settings.gpu_memory_utilization, device_memory=settings.device_memory)
 
 
 def rollout_config(settings):
-    """The engines' settings: rollout.RolloutConfig, "auto" settled (`draft_plan`)."""
-    auto, draft_tokens = draft_plan(settings)
+    """The engine's settings: rollout.RolloutConfig, drafting as `resolve` settled it."""
     return rollout.RolloutConfig(
         dtype="bfloat16" if settings.bf16 else "float32", rollout_tp=settings.rollout_tp, seed=settings.seed,
         temperature=settings.temperature, max_model_len=settings.max_model_len, mtp_rollout=settings.mtp_rollout,
-        auto_draft=settings.mtp_rollout and auto, draft_tokens=draft_tokens,
-        check_draft_every=settings.check_draft_every, spec_overrides=settings.spec_config,
+        auto_draft=settings.auto_draft, draft_tokens=settings.draft_tokens, tune_every=settings.tune_every,
+        acceptance_check_every=settings.acceptance_check_every, check_draft_every=settings.check_draft_every,
+        spec_overrides=settings.spec_config,
         gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_bytes=settings.kv_cache_bytes)

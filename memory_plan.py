@@ -55,7 +55,6 @@ class PlanConfig:
     bf16: bool = True                    # bf16 weights (fp32 main weights in the optimizer), bf16 rollout
     mtp_train: bool = True               # the model has its MTP layers, trained
     mtp_rollout: bool = True             # vLLM drafts with them: the trunk's final norm is frozen
-    auto_draft: bool = True              # --num-speculative-tokens auto: a plain and a drafting engine
     reference_model: bool = False        # --kl-coef > 0: a frozen copy of the trunk
     micro_batch_tokens: int = 8192       # tokens of one micro-batch on one data-parallel rank (over its CP ranks)
     rollout_tp: int = 1                  # vLLM tensor parallel size
@@ -308,12 +307,12 @@ def kv_bytes_per_token(hf_config, config, drafting):
 
 def rollout_engines(hf_config, config):
     """[(name, weight bytes, KV cache bytes, KV bytes per token)] of this device's vLLM
-    engines: under auto drafting a plain engine and a drafting one (with the MTP layers),
-    each given --gpu-memory-utilization of the device; its KV cache is what its weights
-    leave of that (vLLM's own activations and CUDA graphs left out)."""
+    engine, one whatever the drafting: a drafting one (with the MTP layers) or a plain one,
+    given --gpu-memory-utilization of the device; its KV cache is what its weights leave of
+    that (vLLM's own activations and CUDA graphs left out)."""
     c = config
     drafting = c.mtp_rollout and hf_config.get("num_nextn_predict_layers", 0) > 0
-    kinds = ([("plain", False)] if c.auto_draft or not drafting else []) + ([("drafting", True)] if drafting else [])
+    kinds = [("drafting", True)] if drafting else [("plain", False)]
     engines = []
     for name, with_mtp in kinds:
         params = sum(math.prod(shape) for shape in megatron_tensors(hf_config, mtp=with_mtp).values())
@@ -361,8 +360,6 @@ def _candidates(hf_config, config):
             bigger = dataclasses.replace(c, **{field: getattr(c, field) * 2})
             if not layout_problems(hf_config, bigger) and bigger.tp <= max(c.tp, MAX_SUGGESTED_TP):
                 yield f"{flag} {getattr(bigger, field)}", bigger
-    if c.mtp_rollout and c.auto_draft:
-        yield "--num-speculative-tokens 1 (one engine, not two)", dataclasses.replace(c, auto_draft=False)
     for share in (0.25, 0.2, 0.15, 0.1):
         if share < c.gpu_memory_utilization:
             yield f"--gpu-memory-utilization {share}", dataclasses.replace(c, gpu_memory_utilization=share)

@@ -1,18 +1,32 @@
-"""The rollout side of one device: vLLM engines colocated with the trainer, MTP drafting.
+"""The rollout side of one device: its vLLM engine colocated with the trainer, MTP drafting.
 
     engines = build_engines(model_dir, RolloutConfig(auto_draft=True, draft_tokens=3), rank)
-    k, checked = tune_draft_tokens(engines, model, tokenizer, examples, step, params, ...)   # auto only
-    samples, acceptance, probe = generate(engines, model, tokenizer, examples, step, params)
-    push_weights(engines, engines.active(), model, step)      # after the optimizer step
+    k, checked = tune_draft_tokens(engines, model, tokenizer, examples, step, params, rank)   # auto only
+    samples, acceptance, probe = generate(engines, model, tokenizer, examples, step, params, ...)
+    push_weights(engines, model, step)      # after the optimizer step
 
-Every process holds one vLLM engine per drafting mode (`distributed_executor_backend=
-"external_launcher"`: the engine runs in this process, on this device). `rollout_tp`
-consecutive ranks form one vLLM tensor-parallel engine; each engine samples a slice of
-the step's prompts and the slices are gathered so every trainer rank can take its own.
-Under `--num-speculative-tokens auto` two engines live side by side: a plain one (an
-engine without a speculative config decodes fastest at k = 0) and a drafting one whose
-k per band of live batch sizes is set before each rollout (spec_config.set_draft_schedule),
-chosen by draft_tuner from every engine step's seconds and tokens (spec_config.BandMeter).
+Every process holds one vLLM engine (`distributed_executor_backend="external_launcher"`:
+the engine runs in this process, on this device), drafting with the MTP head or not.
+`rollout_tp` consecutive ranks form one vLLM tensor-parallel engine; each engine samples a
+slice of the step's prompts and the slices are gathered so every trainer rank can take
+its own. Under `--num-speculative-tokens auto` the drafting engine's k per band of live
+batch sizes is set before each rollout (spec_config.set_draft_schedule), chosen by
+draft_tuner from every engine step's seconds and tokens (spec_config.BandMeter); a rollout
+where no band drafts leaves the draft layer idle (spec_config.idle_draft), and decodes as
+an engine without a speculative config would.
+
+Drafting is decided once, by flags.resolve, and reaches this module as RolloutConfig;
+its names, from the flag to vLLM:
+
+    flag                                  RolloutConfig / here       vLLM
+    --mtp-rollout                         mtp_rollout                a speculative_config or none
+    --num-speculative-tokens auto         auto_draft                 num_speculative_tokens_per_batch_size
+    --num-speculative-tokens K, or        draft_tokens               num_speculative_tokens
+      --max-speculative-tokens (auto)     (DraftTuner's max_tokens)
+    the k per band, chosen per rollout    Engines.schedule           the scheduler's dynamic_sd_lookup
+    --tune-every                          tune_every
+    --acceptance-check-every              acceptance_check_every
+    --check-draft-every                   check_draft_every
 
 For an MoE model each engine has a `RoutingRecorder`: every sample then carries the experts
 vLLM routed its tokens to, which the trainer replays (--routing-replay) or compares with
@@ -63,10 +77,10 @@ CPU_MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """How this device's engines are built and draft. `auto_draft` and `draft_tokens` are
-    --num-speculative-tokens settled: under auto a plain engine and a drafting one live side
-    by side and draft_tuner picks each rollout's k in 0..draft_tokens; else the drafting
-    engine always drafts draft_tokens."""
+    """How this device's engine is built and drafts (the module docstring maps the names to
+    the flags and to vLLM's). `auto_draft` (MTP rollout only) and `draft_tokens` are
+    --num-speculative-tokens settled: under auto draft_tuner picks each rollout's k per
+    band in 0..draft_tokens; else the engine always drafts draft_tokens."""
     dtype: str = "float32"               # "bfloat16" on a GPU; fp32 matches the CPU trainer exactly
     rollout_tp: int = 1                  # vLLM tensor parallel size: consecutive ranks form one engine
     seed: int = 0                        # each engine's sampling seeds come from it, its step and its rank
@@ -75,6 +89,8 @@ class RolloutConfig:
     mtp_rollout: bool = True             # draft with the model's own MTP head
     auto_draft: bool = True              # k measured, not guessed: the fastest k depends on the batch
     draft_tokens: int = 3                # the fixed k, or the deepest k auto tries (MTP heads: 1-3 pay)
+    tune_every: int = 50                 # auto: the k are tried again every N steps (and at the first)
+    acceptance_check_every: int = 5      # auto, while nothing drafts nor estimates: the acceptance checked
     check_draft_every: int = 1           # a stale draft is silent (only slower): check every push
     spec_overrides: str = None           # the user's speculative_config JSON, merged into ours
     gpu_memory_utilization: float = 0.3  # vLLM's share of a GPU the trainer also uses
@@ -82,6 +98,10 @@ class RolloutConfig:
     # "dummy": vLLM fills its weights at random and the first push brings the trainer's
     # (an FP8 checkpoint: the engines are built unquantized, the policy dequantized it).
     load_format: str = "auto"
+
+    def __post_init__(self):
+        if self.auto_draft and not self.mtp_rollout:
+            raise ValueError("RolloutConfig: auto_draft needs mtp_rollout (auto chooses how the MTP head drafts)")
 
 
 def _config(model_dir):
@@ -117,6 +137,10 @@ def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False)
     `dynamic`: switchable down to 0 per rollout)."""
     from vllm import LLM
     eager_token_ranks()
+    # vLLM collects garbage four times while it loads a drafting engine's weights, then
+    # freezes the heap. Frozen first, once vLLM is imported, the trainer's objects and every
+    # module's (torch, megatron, vLLM, transformers) are not walked by each collection.
+    gc.freeze()
     config, rc = _config(model_dir), rollout_config
     options = dict(model=model_dir, tensor_parallel_size=rc.rollout_tp,
                    distributed_executor_backend="external_launcher", dtype=rc.dtype, max_model_len=rc.max_model_len,
@@ -237,84 +261,73 @@ class RoutingRecorder:
 
 @dataclasses.dataclass
 class Engines:
-    """The rollout side on this device. `plain` decodes without drafting (None with a fixed
-    k); `drafting` drafts with the MTP head (None without MTP rollout), under auto built
-    with the deepest k and switched to `schedule` before each rollout; `schedule` is the
-    next rollout's k per band of batch sizes (spec_config.BAND_EDGES; None: the plain engine
-    rolls out); `tuner` (auto only) chooses it; `meter` reads the drafting engine's
-    acceptance, `band_meters` each engine's steps per band (by id(engine)), and `bands` holds
-    the last step's first rollout's, summed over engines; `versions` is the step whose
-    weights each engine holds (None: none, after a GPU sleep that dropped them); `asleep`
-    the engines in vLLM's sleep mode. `deepest` is the most tokens the drafting engine
-    drafts; every `check_draft_every` pushes (0: never) its draft is checked."""
-    plain: object
-    drafting: object
+    """The rollout side on this device: its one vLLM engine `llm`, built as `config` (a
+    RolloutConfig) says. `schedule` is the next rollout's k per band of batch sizes
+    (spec_config.BAND_EDGES; None: none drafts and the draft layer is idle, or the engine
+    has none); `tuner` (auto only) chooses it; `meter` reads the engine's acceptance (None
+    without MTP rollout), `band_meter` its steps per band, and `bands` holds the last step's
+    first rollout's, summed over engines; `version` is the step whose weights the engine
+    holds (None: none, after a GPU sleep that dropped them); `asleep` whether it is in
+    vLLM's sleep mode. MoE models: `recorder` is the engine's RoutingRecorder."""
+    llm: object
+    config: RolloutConfig
     schedule: list
-    rollout_tp: int
-    deepest: int
-    check_draft_every: int = 1
+    band_meter: spec_config.BandMeter
     tuner: draft_tuner.DraftTuner = None
     meter: spec_config.SpecDecodeMeter = None
-    band_meters: dict = dataclasses.field(default_factory=dict)
+    recorder: RoutingRecorder = None
     bands: dict = dataclasses.field(default_factory=dict)
-    # MoE models: each engine's RoutingRecorder, by id(engine).
-    recorders: dict = dataclasses.field(default_factory=dict)
-    versions: dict = dataclasses.field(default_factory=dict)
-    asleep: set = dataclasses.field(default_factory=set)
+    version: int = None
+    asleep: bool = False
 
     def active(self):
-        return self.plain if self.schedule is None else self.drafting
+        return self.llm
 
     def draft_tokens(self):
         """The most tokens the next rollout drafts in any band (0: none)."""
         return max(self.schedule) if self.schedule else 0
 
-    def all(self):
-        return [engine for engine in (self.plain, self.drafting) if engine is not None]
+    def set_schedule(self, schedule):
+        """Draft `schedule` (a k per band; None: none, the draft layer idle) from the next
+        rollout on (spec_config.set_draft_schedule)."""
+        self.schedule = schedule
+        spec_config.set_draft_schedule(self.llm, schedule)
 
     def sleep(self, level):
-        """GPU only: give every engine's memory to the trainer (level 2 drops the weights,
+        """GPU only: give the engine's memory to the trainer (level 2 drops the weights,
         level 1 keeps a host copy)."""
-        for engine in self.all():
-            if id(engine) not in self.asleep:
-                engine.sleep(level=level)
-                self.asleep.add(id(engine))
-                if level == 2:
-                    self.versions[id(engine)] = None
+        if not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = True
+            if level == 2:
+                self.version = None
 
-    def wake(self, engine):
-        if id(engine) in self.asleep:
-            engine.wake_up()
-            self.asleep.discard(id(engine))
+    def wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
 
 def build_engines(model_dir, rollout_config, rank):
-    """This device's engines for the run's drafting mode (see `Engines`), each built as
-    `rollout_config` (a RolloutConfig) says."""
+    """This device's engine for the run's drafting mode (see `Engines`), built as
+    `rollout_config` (a RolloutConfig) says: with MTP rollout one drafting engine, under
+    auto switched per rollout (its k = 0 bands through its own schedule, and with no band
+    drafting its draft layer idle); without, one plain engine."""
     rc = rollout_config
-    # vLLM collects garbage several times while it builds an engine, then freezes the heap.
-    # Frozen first, the trainer's objects (the policy, megatron's and torch's modules) are
-    # not walked by every one of those collections.
-    gc.freeze()
-    auto = rc.mtp_rollout and rc.auto_draft
-    plain = build_engine(model_dir, rc, rank) if auto or not rc.mtp_rollout else None
-    drafting = build_engine(model_dir, rc, rank, draft_tokens=rc.draft_tokens, dynamic=auto) if rc.mtp_rollout else None
+    draft_tokens = rc.draft_tokens if rc.mtp_rollout else 0
+    llm = build_engine(model_dir, rc, rank, draft_tokens=draft_tokens, dynamic=rc.auto_draft)
     num_bands = len(spec_config.BAND_EDGES)
-    engines = Engines(plain, drafting,
-                      schedule=None if auto or not rc.mtp_rollout else [rc.draft_tokens] * num_bands,
-                      rollout_tp=rc.rollout_tp, deepest=rc.draft_tokens, check_draft_every=rc.check_draft_every,
-                      tuner=draft_tuner.DraftTuner(rc.draft_tokens, num_bands) if auto else None,
-                      meter=spec_config.SpecDecodeMeter(drafting, engine_counters=False) if drafting is not None
-                      else None)
-    moe = "n_routed_experts" in _config(model_dir)
-    for engine in engines.all():
-        engines.band_meters[id(engine)] = spec_config.BandMeter(engine)
-        # Built from the model directory: the weights before step 1, version 0 to vLLM too;
-        # with dummy weights none (-1), so the first rollout's push sends version 0.
-        engines.versions[id(engine)] = -1 if rc.load_format == "dummy" else 0
-        engine.update_weight_version(str(engines.versions[id(engine)]))
-        if moe:
-            engines.recorders[id(engine)] = RoutingRecorder(engine)
+    engines = Engines(llm, rc, schedule=[draft_tokens] * num_bands if draft_tokens and not rc.auto_draft else None,
+                      band_meter=spec_config.BandMeter(llm),
+                      tuner=draft_tuner.DraftTuner(rc.draft_tokens, num_bands) if rc.auto_draft else None,
+                      meter=spec_config.SpecDecodeMeter(llm, engine_counters=False) if draft_tokens else None,
+                      recorder=RoutingRecorder(llm) if "n_routed_experts" in _config(model_dir) else None,
+                      # Built from the model directory: the weights before step 1, version 0 to
+                      # vLLM too; with dummy weights none (-1), so the first rollout's push sends 0.
+                      version=-1 if rc.load_format == "dummy" else 0)
+    if rc.auto_draft:
+        engines.set_schedule(None)
+    llm.update_weight_version(str(engines.version))
     return engines
 
 
@@ -427,9 +440,9 @@ def all_engines_statistics(engines, statistics, rank, drafts_per_position=None):
     every rank; None without verify steps. With `drafts_per_position` (its BandMeter's,
     every request's, the probe's too) the statistics get `drafts_per_position`: the verify
     steps that drafted past each position, scaled to `num_drafts` (the rollout's requests)."""
-    depth = engines.deepest
+    depth = engines.config.draft_tokens
     counts = torch.zeros(3 + 2 * depth, dtype=torch.float64)
-    if statistics and rank % engines.rollout_tp == 0:
+    if statistics and rank % engines.config.rollout_tp == 0:
         per_position = statistics["accepted_per_position"][:depth]
         counts[:3 + len(per_position)] = torch.tensor(
             [statistics["num_drafts"], statistics["num_draft_tokens"], statistics["num_accepted_tokens"]]
@@ -447,69 +460,70 @@ def all_engines_statistics(engines, statistics, rank, drafts_per_position=None):
     return result
 
 
-def push_weights(engines, engine, model, version):
-    """Push the trainer's weights (those after step `version`) into `engine` unless it holds
-    them already: an engine that sat idle while the other rolled out catches up here.
-    Every `check_draft_every` steps a drafting engine's draft is checked against the
-    trainer's (vllm_sync.check_draft raises StaleDraftError naming the tensor)."""
-    engines.wake(engine)
-    if engines.versions[id(engine)] == version:
+def push_weights(engines, model, version):
+    """Push the trainer's weights (those after step `version`) into the engine unless it
+    holds them already. Every `check_draft_every` steps a drafting engine's draft is
+    checked against the trainer's (vllm_sync.check_draft raises StaleDraftError naming the
+    tensor)."""
+    engines.wake()
+    if engines.version == version:
         return
     # The fault-tolerance tests' hook for the stale-draft check: one push without the draft.
     stale = os.environ.get(STALE_DRAFT_AT_ENV) == str(version)
-    vllm_sync.push_to_vllm(model, engine, weight_version=str(version), draft=not stale)
-    engines.versions[id(engine)] = version
-    if engine is engines.drafting and engines.check_draft_every and version % engines.check_draft_every == 0:
-        vllm_sync.check_draft(model, engine)
+    vllm_sync.push_to_vllm(model, engines.llm, weight_version=str(version), draft=not stale)
+    engines.version = version
+    every = engines.config.check_draft_every
+    if engines.meter is not None and every and version % every == 0:
+        vllm_sync.check_draft(model, engines.llm)
 
 
 def plan_draft_tokens(tuner, drafting_engine, step, check, check_every, tune_every, drafting):
     """`tuner.plan` (DraftTuner), then `drafting_engine` (built with a dynamic speculative
-    config) switched to the k per band it names; None leaves it as it is (the plain engine
-    rolls out). Returns plan's (schedule, the check's statistics or None)."""
+    config) switched to the k per band it names (None: none, its draft layer idle).
+    Returns plan's (schedule, the check's statistics or None)."""
     schedule, checked = tuner.plan(step, check, check_every, tune_every, drafting=drafting)
-    if schedule is not None:
-        spec_config.set_draft_schedule(drafting_engine, schedule)
+    spec_config.set_draft_schedule(drafting_engine, schedule)
     return schedule, checked
 
 
-def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, check_every, tune_every, rank):
-    """The tune phase (auto only): set the k this step's rollout drafts (DraftTuner.plan);
-    the acceptance check, when due, rolls the first ACCEPTANCE_CHECK_PROMPTS prompts per
+def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, rank):
+    """The tune phase (auto only): set the k this step's rollout drafts (DraftTuner.plan,
+    every `acceptance_check_every` and `tune_every` steps of the engines' config); the
+    acceptance check, when due, rolls the first ACCEPTANCE_CHECK_PROMPTS prompts per
     engine out at the deepest k with `check_params`. Returns (every engine's check
     statistics or None, whether this rollout is a try). A no-op without a tuner."""
     if engines.tuner is None:
         return None, False
+    rc = engines.config
 
     def check():
-        push_weights(engines, engines.drafting, model, step - 1)
-        spec_config.set_draft_tokens(engines.drafting, engines.deepest)
-        num_engines = dist.get_world_size() // engines.rollout_tp
-        _, outputs, _ = rollout(engines.drafting, tokenizer, examples[:draft_tuner.ACCEPTANCE_CHECK_PROMPTS * num_engines],
-                             check_params, engines.rollout_tp, rank)
+        push_weights(engines, model, step - 1)
+        spec_config.set_draft_tokens(engines.llm, rc.draft_tokens)
+        num_engines = dist.get_world_size() // rc.rollout_tp
+        _, outputs, _ = rollout(engines.llm, tokenizer, examples[:draft_tuner.ACCEPTANCE_CHECK_PROMPTS * num_engines],
+                                check_params, rc.rollout_tp, rank)
         return all_engines_statistics(engines, engines.meter.read(outputs), rank)
 
-    engines.schedule, checked = plan_draft_tokens(engines.tuner, engines.drafting, step, check, check_every,
-                                                  tune_every, drafting=engines.draft_tokens() > 0)
+    engines.schedule, checked = plan_draft_tokens(engines.tuner, engines.llm, step, check, rc.acceptance_check_every,
+                                                  rc.tune_every, drafting=engines.draft_tokens() > 0)
     return checked, engines.tuner.exploring()
 
 
 def generate(engines, model, tokenizer, examples, step, params, seed, rank, sampling_round=0):
-    """The rollout phase: (completions from the active engine, brought up to the weights
+    """The rollout phase: (completions from the engine, brought up to the weights
     after step - 1; the draft acceptance of every engine's rollout, None without drafting;
     the first round's probe of those weights: {probe_text, probe_logprob, weight_version},
     None in later rounds). The first round's engine steps per band, summed over engines,
     go to `engines.bands` and, while auto tries each variant in turn, to its tuner;
     dynamic sampling's later rounds (`sampling_round` > 0) sample on their own seeds and
     leave both alone. On a GPU the caller then puts vLLM to sleep (Engines.sleep)."""
-    engine = engines.active()
-    push_weights(engines, engine, model, step - 1)
-    seed_engine(seed, step, rank, engines.rollout_tp, sampling_round)
-    band_meter = engines.band_meters[id(engine)]
+    engine, rollout_tp, band_meter = engines.llm, engines.config.rollout_tp, engines.band_meter
+    push_weights(engines, model, step - 1)
+    seed_engine(seed, step, rank, rollout_tp, sampling_round)
     band_meter.read()  # from here: the pushes and checks before it are not the rollout's
     band_meter.read_drafts_per_position()
-    samples, outputs, probed = rollout(engine, tokenizer, examples, params, engines.rollout_tp, rank,
-                                       recorder=engines.recorders.get(id(engine)), probe=not sampling_round)
+    samples, outputs, probed = rollout(engine, tokenizer, examples, params, rollout_tp, rank,
+                                       recorder=engines.recorder, probe=not sampling_round)
     drafting = engines.draft_tokens() > 0
     acceptance = all_engines_statistics(engines, engines.meter.read(outputs), rank,
                                         band_meter.read_drafts_per_position()) if drafting else None
@@ -530,10 +544,10 @@ BAND_COUNTS = ("steps", "seconds", "tokens", "drafted", "accepted")
 def all_engines_bands(engines, bands, rank):
     """One engine's BandMeter.read() -> every engine's, summed (each engine counted once, by
     its rollout-TP rank 0), the same on every rank: {band: {steps, seconds, tokens,
-    drafted, accepted, k}}, k from the rollout's schedule (0 on the plain engine). Every
+    drafted, accepted, k}}, k from the rollout's schedule (0 where none drafts). Every
     rank then sees the same speeds and the tuner chooses alike."""
     counts = torch.zeros(len(spec_config.BAND_EDGES), len(BAND_COUNTS), dtype=torch.float64)
-    if rank % engines.rollout_tp == 0:
+    if rank % engines.config.rollout_tp == 0:
         for band, values in bands.items():
             counts[band] = torch.tensor([float(values[name]) for name in BAND_COUNTS], dtype=torch.float64)
     dist.all_reduce(counts)

@@ -385,11 +385,16 @@ def set_draft_schedule(llm, draft_tokens_per_band):
     """Draft `draft_tokens_per_band[b]` tokens per verify step (0: none) at every batch size
     of band b (BAND_EDGES) from the next engine step on, on an engine built with
     `dynamic_speculative_config`; each at most its num_speculative_tokens. With k = 0 the
-    draft still reads each step (one draft-layer forward) to keep its cache in step."""
+    draft still reads each step (one draft-layer forward) to keep its cache in step: a band
+    further on may draft. None: no band drafts and the draft layer is idle (`idle_draft`):
+    the engine decodes as one without a speculative config would."""
     scheduler = _scheduler(llm)
     if scheduler.dynamic_sd_lookup is None:
         raise ValueError(f"this engine has no {DYNAMIC_SCHEDULE_KEY}; build its speculative_config with "
                          "dynamic_speculative_config")
+    idle_draft(llm, draft_tokens_per_band is None)
+    if draft_tokens_per_band is None:
+        draft_tokens_per_band = [0] * len(BAND_EDGES)
     if len(draft_tokens_per_band) != len(BAND_EDGES) or not all(
             isinstance(k, int) and 0 <= k <= scheduler.num_spec_tokens for k in draft_tokens_per_band):
         raise ValueError(f"draft_tokens_per_band={draft_tokens_per_band!r}: expected {len(BAND_EDGES)} ints (one "
@@ -397,6 +402,56 @@ def set_draft_schedule(llm, draft_tokens_per_band):
                          f"{scheduler.num_spec_tokens}")
     lookup = scheduler.dynamic_sd_lookup  # index: batch size (0 unused)
     lookup[1:] = [draft_tokens_per_band[band_of(size)] for size in range(1, len(lookup))]
+
+
+def idle_draft(llm, idle):
+    """Idle (`idle` True) or wake the draft of `llm` (a drafting engine in this process) at
+    every engine step that drafts no token; returns whether it was idle.
+
+    At k = 0 vLLM 0.32 still does a drafting step's work: the drafter's first forward, so
+    that its KV cache holds every position a later step may draft from
+    (EagleProposer.propose), and the verify path, whose rejection sampler runs with no
+    draft (GPUModelRunner._prepare_inputs builds spec-decode metadata whenever the engine
+    has a speculative config). Where a whole rollout drafts nothing, neither buys
+    anything: idle, a step without drafts is prepared and sampled as in an engine without
+    a speculative config, and its drafts are the empty [requests, 0] ids the drafter
+    would have returned. The positions decoded idle hold no draft keys and values, so
+    waking empties the prefix cache: no later request drafts from blocks the draft layer
+    never wrote."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    switch = getattr(runner, "idle_draft", None)
+    if switch is None:
+        switch = runner.idle_draft = IdleDraft(runner)
+    was_idle, switch.idle = switch.idle, bool(idle)
+    if was_idle and not idle:
+        llm.reset_prefix_cache()
+    return was_idle
+
+
+class IdleDraft:
+    """Wraps a vLLM model runner's `_prepare_inputs` and `propose_draft_token_ids`: while
+    `idle`, a step that verifies and drafts no token skips the spec-decode metadata (so the
+    plain sampler samples it) and the drafter (see `idle_draft`)."""
+
+    def __init__(self, runner):
+        self.idle, self.runner = False, runner
+        self.prepare, self.propose = runner._prepare_inputs, runner.propose_draft_token_ids
+        runner._prepare_inputs, runner.propose_draft_token_ids = self.prepare_inputs, self.propose_draft_token_ids
+
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if not self.idle or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            return self.prepare(scheduler_output, *args, **kwargs)
+        speculative, self.runner.speculative_config = self.runner.speculative_config, None
+        try:
+            return self.prepare(scheduler_output, *args, **kwargs)
+        finally:
+            self.runner.speculative_config = speculative
+
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        if not self.idle or scheduler_output.num_spec_tokens_to_schedule:
+            return self.propose(scheduler_output, *args, **kwargs)
+        self.runner._draft_probs = self.runner._draft_prob_req_ids = None
+        return torch.empty(self.runner.input_batch.num_reqs, 0, dtype=torch.int64)
 
 
 def set_draft_tokens(llm, num_tokens):

@@ -4344,6 +4344,67 @@ def test_rollout_eager_token_ranks_count_as_vllms_compiled_function():
     assert result["sampler_counts_eagerly"]
 
 
+def _one_engine_under_auto(checkpoint):
+    """build_engines under auto, counting the vLLM engines it builds; greedy tokens of its
+    engine with the draft layer idle (counting the draft layer's forwards), at k = 0 in
+    every band and at k = 1, against an engine without a speculative config."""
+    import vllm
+    from vllm import SamplingParams
+
+    cpu_backend.init_distributed()
+    built = []
+    original = vllm.LLM.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(kwargs.get("speculative_config"))
+        original(self, *args, **kwargs)
+
+    vllm.LLM.__init__ = counted
+    config = rollout.RolloutConfig(max_model_len=256, kv_cache_bytes=WEIGHT_SYNC_KV_CACHE_BYTES)
+    engines = rollout.build_engines(checkpoint, config, 0)
+    result = {"built": built, "schedule": engines.schedule, "tuner": engines.tuner is not None}
+    plain = rollout.build_engine(checkpoint, config, 0)
+    vllm.LLM.__init__ = original
+    drafter = engines.llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.model
+    forwards = []
+    drafter.register_forward_hook(lambda *_: forwards.append(1))
+    resets = []
+    reset = engines.llm.reset_prefix_cache
+    engines.llm.reset_prefix_cache = lambda: resets.append(1) or reset()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def tokens(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(WEIGHT_SYNC_PROMPTS, params, use_tqdm=False)]
+    result["plain"] = tokens(plain)
+    for name, schedule in (("idle", None), ("k0", [0] * len(spec_config.BAND_EDGES)),
+                           ("k1", [1] * len(spec_config.BAND_EDGES)), ("idle_again", None)):
+        before = len(forwards)
+        engines.set_schedule(schedule)
+        engines.band_meter.read()
+        result[name] = {"tokens": tokens(engines.llm), "draft_forwards": len(forwards) - before,
+                        "drafted": sum(band["drafted"] for band in engines.band_meter.read().values()),
+                        "resets": len(resets)}
+    return result
+
+
+def test_rollout_one_engine_per_device_under_auto_its_draft_idle_where_no_band_drafts(tiny_checkpoint):
+    result, = run_in_processes(_one_engine_under_auto, args=(tiny_checkpoint,), env=VLLM_ENV)
+    # One engine, built to draft with a per-batch-size k up to --max-speculative-tokens; the
+    # tuner's first plan decides whether and how deep it drafts (until then, idle).
+    speculative, plain = result["built"]
+    assert plain is None and speculative["num_speculative_tokens"] == rollout.RolloutConfig().draft_tokens
+    assert speculative[spec_config.DYNAMIC_SCHEDULE_KEY] and result["tuner"] and result["schedule"] is None
+    # Idle: no draft-layer forward, no drafts, the plain engine's greedy tokens. At k = 0 the
+    # draft layer still runs (its KV cache kept for bands that draft); k = 1 drafts. Leaving
+    # idle empties the prefix cache (blocks the draft layer never wrote), entering it does not.
+    assert result["idle"]["draft_forwards"] == 0 and result["idle"]["drafted"] == 0
+    assert result["k0"]["draft_forwards"] > 0 and result["k0"]["drafted"] == 0
+    assert result["k1"]["drafted"] > 0 and result["idle_again"]["draft_forwards"] == 0
+    assert [result[name]["resets"] for name in ("idle", "k0", "k1", "idle_again")] == [0, 1, 1, 1]
+    for name in ("idle", "k0", "k1", "idle_again"):
+        assert result[name]["tokens"] == result["plain"], name
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_rollout_records_vllm_moe_routing_and_megatron_replays_it(moe_checkpoints, family):
     result, = run_in_processes(_moe_routing_replay, args=(moe_checkpoints[family],), env=VLLM_ENV)
@@ -6063,6 +6124,32 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
 
 
+@pytest.mark.parametrize("argv, has_mtp, expected", [
+    ([], True, (True, True, 3)),
+    (["--max-speculative-tokens", "2"], True, (True, True, 2)),
+    (["--num-speculative-tokens", "2"], True, (True, False, 2)),
+    (["--no-mtp-rollout"], True, (False, False, 3)),
+    ([], False, (False, False, 3)),
+])
+def test_flags_drafting_is_settled_once_and_every_reader_takes_it(argv, has_mtp, expected):
+    """--num-speculative-tokens, --max-speculative-tokens, --mtp-rollout and the model's MTP
+    layers settle (mtp_rollout, auto_draft, draft_tokens) in resolve; the engine's config
+    and the tune and check periods follow them, and auto without MTP rollout is refused."""
+    args = flags.parse_args(argv + ["--tune-every", "7", "--acceptance-check-every", "3"])
+    hf_config = {**tiny_model.builtin_config("tiny")[1], **({} if has_mtp else {"num_nextn_predict_layers": 0})}
+    settings = flags.resolve(args, hf_config, world_size=2)
+    assert (settings.mtp_rollout, settings.auto_draft, settings.draft_tokens) == expected
+    settings.max_model_len = 64  # rollout_context's, once the prompts are tokenized
+    config = flags.rollout_config(settings)
+    assert (config.mtp_rollout, config.auto_draft, config.draft_tokens) == expected
+    assert (config.tune_every, config.acceptance_check_every) == (7, 3)
+    defaults = flags.parse_args([])
+    assert (defaults.tune_every, defaults.acceptance_check_every) == (rollout.RolloutConfig().tune_every,
+                                                                       rollout.RolloutConfig().acceptance_check_every)
+    with pytest.raises(ValueError, match="auto_draft needs mtp_rollout"):
+        rollout.RolloutConfig(mtp_rollout=False, auto_draft=True)
+
+
 def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_name():
     where = "the built-in qwen3.5 model"
     assert flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
@@ -7448,6 +7535,20 @@ def test_memory_plan_proposes_only_stage_counts_that_divide_the_layers():
     assert not any(change.startswith("--pp") for change in changes)
     assert memory_plan.layout_problems(tiny_model.builtin_config("deepseek")[1], dataclasses.replace(
         config, world_size=2, tp=1, ep=1, rollout_tp=1, pp=2)) == []
+
+
+def test_memory_plan_one_engine_per_device_drafting_or_not():
+    """One vLLM engine per device whatever the drafting: the drafting one (weights and KV
+    cache with the MTP layer) under MTP rollout, a plain one without; one KV cache."""
+    hf_config = tiny_model.PUBLISHED_CONFIGS["mimo-7b-rl"][0]
+    config = memory_plan.PlanConfig(world_size=8, device_memory=memory_plan.parse_bytes("80GB"))
+    (name, weights, kv, per_token), = memory_plan.rollout_engines(hf_config, config)
+    assert name == "drafting" and per_token == memory_plan.kv_bytes_per_token(hf_config, config, True)
+    assert weights + kv == int(config.gpu_memory_utilization * config.device_memory)
+    (name, _, _, per_token), = memory_plan.rollout_engines(hf_config, dataclasses.replace(config, mtp_rollout=False))
+    assert name == "plain" and per_token == memory_plan.kv_bytes_per_token(hf_config, config, False)
+    plan = memory_plan.format_plan(memory_plan.device_plan(hf_config, config), hf_config)
+    assert plan.count("KV cache") == 1 and "plain engine" not in plan
 
 
 def test_memory_plan_verdict_and_changes_for_the_published_mimo_on_an_h100():

@@ -25,6 +25,7 @@ acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in O
 
 import copy
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -35,6 +36,16 @@ import time
 
 # The process's start: what the imports below and the run's start cost is reported from it.
 IMPORTS_STARTED = time.perf_counter()
+if __name__ == "__main__":
+    # The imports and the run's start allocate millions of objects that live for the run:
+    # collections would walk a growing heap for nothing. Off until `start` freezes them.
+    gc.disable()
+    # megatron-core imports W&B, where installed, for logging this project does not use: a
+    # second of CPU per process. Kept out while the modules below import; a run with
+    # --wandb-project imports it itself (run_log).
+    WANDB_KEPT_OUT = "wandb" not in sys.modules and not any(arg.startswith("--wandb") for arg in sys.argv[1:])
+    if WANDB_KEPT_OUT:
+        sys.modules["wandb"] = None
 
 
 def shared_memory_names():
@@ -73,6 +84,9 @@ import tiny_model  # noqa: E402
 import trainer  # noqa: E402
 from cpu_backend import init_distributed, init_model_parallel  # noqa: E402
 from flags import usage_error  # noqa: E402
+
+if __name__ == "__main__" and WANDB_KEPT_OUT:
+    del sys.modules["wandb"]
 
 # The built-in models are written once, here, and reused by every later run.
 BUILTIN_MODELS_DIR = "runs"
@@ -232,11 +246,11 @@ def refusing(function, *args):
 # ---------------------------------------------------------------------------------------
 
 def sync_weights(engines, policy, step):
-    """The sync phase: push every weight, MTP draft included, into the engine that rolled
-    out (woken on a GPU; the other catches up when it is next used) and check its draft
-    every --check-draft-every steps. The next rollout probes what it holds (sample_batch)."""
+    """The sync phase: push every weight, MTP draft included, into the engine (woken on a
+    GPU) and check its draft every --check-draft-every steps. The next rollout probes what
+    it holds (sample_batch)."""
     checkpoint.fault_point("sync", step)
-    rollout.push_weights(engines, engines.active(), policy.model, step)
+    rollout.push_weights(engines, policy.model, step)
 
 
 def evaluate(run, step):
@@ -253,8 +267,8 @@ def evaluate(run, step):
 def draft_record(engines, acceptance, checked, tried):
     """The step's drafting metrics: draft_tokens (the most the rollout drafted in any band,
     0: none), draft_schedule (its k per band of batch sizes, spec_config.BAND_EDGES; None:
-    the plain engine), bands (per band the rollout ran: {steps, seconds, tokens, drafted,
-    accepted, k}, summed over engines), the rollout's acceptance_rate,
+    none drafts, the draft idle), bands (per band the rollout ran: {steps, seconds, tokens,
+    drafted, accepted, k}, summed over engines), the rollout's acceptance_rate,
     mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the share of verify
     steps that accepted the first i drafts; None without drafting), and under auto
     check_acceptance_by_depth (the tune phase's check, at the deepest k, on the steps it
@@ -295,8 +309,6 @@ class RunConfig:
     max_new_tokens: int
     ignore_eos: bool
     max_positions: int
-    tune_every: int
-    acceptance_check_every: int
     model: str
     builtin_model: str
     tp: int
@@ -409,6 +421,8 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
                                      ignore_eos=s.ignore_eos)
     check_params = rollout.sampling_params(reward.group_size, rollout_config.temperature,
                                            draft_tuner.ACCEPTANCE_CHECK_TOKENS, ignore_eos=True)
+    gc.freeze()
+    gc.enable()
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
                model_dir, lock, stop, inputs, params, check_params, train_config, data, reward, rollout_config,
                start_seconds=timer.seconds)
@@ -622,7 +636,7 @@ def run_step(run, step):
     # Tune: how many tokens the MTP head drafts in this rollout (auto)
     with timer("tune"):
         checked, tried = rollout.tune_draft_tokens(engines, policy.model, run.tokenizer, examples_now, step,
-                                                   run.check_params, s.acceptance_check_every, s.tune_every, run.rank)
+                                                   run.check_params, run.rank)
     # Rollout: vLLM samples --group-size completions per prompt, the MTP head drafting;
     # rewards and GRPO advantages (--dynamic-sampling: more rollouts for informative groups)
     with timer("rollout"):
