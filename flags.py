@@ -85,12 +85,21 @@ def number(kind, at_least=None, above=None, below=None, at_most=None, why=""):
     return parse
 
 
+# The deepest draft a run may ask for. Each depth is accepted at most with the one before's
+# probability, and a verify step costs more per drafted token: peers draft 1-3 (SkyRL 3,
+# MiMo and DeepSeek 1-2) and NeMo-RL measured k >= 5 erasing the gain; even at 0.9
+# acceptance per depth the 9th token would add 0.39 tokens to a verify step for a whole
+# draft forward.
+MAX_DRAFT_TOKENS = 8
+PAST_MAX_DRAFT = f" (past {MAX_DRAFT_TOKENS} the drafts cost more than they are accepted)"
+
+
 def draft_tokens_flag(value):
-    """--num-speculative-tokens: "auto" or an int >= 1."""
+    """--num-speculative-tokens: "auto" or an int in 1..MAX_DRAFT_TOKENS."""
     if value == "auto":
         return value
-    if not re.fullmatch(r"\d+", value) or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or an int >= 1")
+    if not re.fullmatch(r"\d+", value) or not 1 <= int(value) <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or an int in 1..{MAX_DRAFT_TOKENS}{PAST_MAX_DRAFT}")
     return int(value)
 
 
@@ -317,8 +326,8 @@ def add_mtp_flags(p):
                         "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "
                         "rose far (or fell far while drafting), the next rollouts try in turn k = 0 and every k that "
                         "could pay, and the fastest stays")
-    p.add_argument("--max-speculative-tokens", type=POSITIVE_INT, default=ROLLOUT.draft_tokens,
-                   help="the deepest k auto considers")
+    p.add_argument("--max-speculative-tokens", type=number(int, at_least=1, at_most=MAX_DRAFT_TOKENS, why=PAST_MAX_DRAFT),
+                   default=ROLLOUT.draft_tokens, help="the deepest k auto considers")
     p.add_argument("--tune-every", type=POSITIVE_INT, default=ROLLOUT.tune_every,
                    help="auto: every N steps (and at the first) the rollouts try each k that could pay again, in "
                         "turns, on the current weights")
@@ -509,9 +518,16 @@ def model_problems(args, hf_config):
     if args.shared_prefix and obstacle:
         problems.append(f"--shared-prefix: {obstacle}; leave the flag out")
     problems += qwen35_problems(args, hf_config)
-    if args.mtp_rollout and not hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0)):
+    mtp_layers = hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
+    if args.mtp_rollout and not mtp_layers:
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")
+    auto, deepest = draft_plan(args, mtp_rollout=True)
+    if args.mtp_rollout is not False and mtp_layers and deepest > mtp_layers and deepest % mtp_layers:
+        # vLLM drafts past its MTP layers by running them again in turn, whole rounds only.
+        flag = "--max-speculative-tokens" if auto else "--num-speculative-tokens"
+        problems.append(f"{flag} {deepest}: {where}'s {mtp_layers} MTP layers draft "
+                        f"1..{mtp_layers} tokens or a multiple of {mtp_layers}")
     kv_heads = hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
     for flag, size in (("--tp", args.tp), ("--rollout-tp", args.rollout_tp)):
         if kv_heads % size:

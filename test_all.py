@@ -6233,7 +6233,7 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
         f"--mtp-rollout: {no_mtp} has no MTP layers (num_nextn_predict_layers is 0); pass --no-mtp-rollout"]
     assert flags.flag_problems(flags.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
         f"--tp 4: expected a divisor of {no_mtp}'s 2 key/value heads"]
-    with pytest.raises(SystemExit, match="argument --num-speculative-tokens: '0': expected auto or an int >= 1"):
+    with pytest.raises(SystemExit, match="argument --num-speculative-tokens: '0': expected auto or an int in 1..8"):
         flags.parse_args(["--num-speculative-tokens", "0"])
     assert flags.parse_args(["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
     assert flags.flag_problems(flags.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
@@ -6575,6 +6575,26 @@ def test_train_grpo_names_every_bad_data_row_with_its_file_up_to_twenty(tmp_path
                      + [f"--data {data}: row {row} has no key 'answer' nor 'reward_model.ground_truth' (--answer-key)"
                         for row in range(2, 22)] + ["and 6 more bad rows"])
     assert not (tmp_path / "out").exists()
+
+
+def test_train_grpo_draft_depths_past_what_pays_or_the_mtp_layers_are_refused_with_the_range(two_mtp_checkpoint,
+                                                                                               tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    for flag in ("--num-speculative-tokens", "--max-speculative-tokens"):
+        refusal = _refused_by_main([flag, "99", "--out", str(out)], monkeypatch)
+        assert refusal == (f"train_grpo.py: argument {flag}: " + ("'99': expected auto or an int in 1..8" if "num" in flag
+                                                                 else "99: expected a number <= 8")
+                           + " (past 8 the drafts cost more than they are accepted) (--help lists every flag)")
+    # vLLM drafts past the MTP layers by running them again, whole rounds only: 2 layers draft 1, 2, 4, 6 or 8.
+    assert _refused_by_main(["--model", two_mtp_checkpoint, "--num-speculative-tokens", "3", "--out", str(out)],
+                            monkeypatch) == (f"train_grpo.py: bad flags:\n  --num-speculative-tokens 3: "
+                                             f"{two_mtp_checkpoint}'s 2 MTP layers draft 1..2 tokens or a multiple of 2")
+    assert flags.flag_problems(flags.parse_args(["--model", two_mtp_checkpoint, "--max-speculative-tokens", "3"]), 2) \
+        == [f"--max-speculative-tokens 3: {two_mtp_checkpoint}'s 2 MTP layers draft 1..2 tokens or a multiple of 2"]
+    for deepest in ("1", "2", "4", "8"):
+        assert flags.flag_problems(flags.parse_args(["--model", two_mtp_checkpoint, "--num-speculative-tokens",
+                                                     deepest]), 2) == []
+    assert not out.exists()
 
 
 # A model directory broken as downloads break: (what is done to it, what the refusal says).
