@@ -31,7 +31,7 @@ from megatron.core import utils as megatron_utils
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 from megatron.core.optimizer import clip_grads, optimizer as megatron_optimizer
-from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.tensor_parallel import mappings, random as megatron_random
 from megatron.core.transformer.moe import token_dispatcher
 
 DEFAULT_TIMEOUT_MINUTES = 30
@@ -272,6 +272,33 @@ def _host_copy(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+def _gather_uneven_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    # gloo's all_gather takes equal parts only. The all-to-all dispatcher's gather over the
+    # tensor-parallel ranks (each holds the tokens its sequence slice routed to this rank's
+    # experts) has uneven ones: padded to the largest, gathered, trimmed.
+    if output_split_sizes is None or group.size() == 1:
+        return _GATHER_ALONG_FIRST_DIM(input_, group, output_split_sizes, use_global_buffer)
+    padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+    padded[:input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in output_split_sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+
+def _reduce_scatter_uneven_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    # The gather's counterpart (its backward, and the dispatcher's combine): gloo has no
+    # reduce-scatter of uneven parts, so the whole is summed and this rank keeps its part.
+    if input_split_sizes is None or group.size() == 1:
+        return _REDUCE_SCATTER_ALONG_FIRST_DIM(input_, group, input_split_sizes, use_global_buffer)
+    summed = input_.contiguous().clone()
+    dist.all_reduce(summed, group=group)
+    return summed.split(list(input_split_sizes))[group.rank()].clone()
+
+
+_GATHER_ALONG_FIRST_DIM = mappings._gather_along_first_dim
+_REDUCE_SCATTER_ALONG_FIRST_DIM = mappings._reduce_scatter_along_first_dim
+
+
 def _grad_norm_in_float64(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
     # Summed in float64, the norm no longer depends on how the gradients are split: the
     # distributed optimizer sums its shards' squares over ranks, the plain one whole
@@ -323,6 +350,9 @@ def install_cpu_redirects():
     - the all-to-all dispatcher's `maybe_move_tensor_to_cpu` -> one that hands the split
       sizes over as numpy arrays, as megatron's own does for a CUDA tensor:
       `all_to_all_single` takes a sequence of ints and refuses a tensor.
+    - `mappings._gather_along_first_dim` and `_reduce_scatter_along_first_dim` given split
+      sizes -> the same over gloo's equal-part collectives: under TP x EP the all-to-all
+      dispatcher gathers and reduce-scatters uneven parts over the tensor-parallel ranks.
     `torch.cuda.manual_seed`, also called by `model_parallel_cuda_manual_seed`, is left
     alone (on a build without CUDA it is queued lazily and never runs);
     `init_model_parallel` seeds the default CPU generator in its place.
@@ -347,6 +377,8 @@ def install_cpu_redirects():
     torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = HostStream, _current_host_stream, _on_host_stream
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    mappings._gather_along_first_dim = _gather_uneven_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_uneven_along_first_dim
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return True

@@ -3991,8 +3991,8 @@ def _uneven_pack(seqlens, moe_layers, top_k, experts, seed):
 def _moe_packs_forward_backward(model, packs, replay, copies):
     """Forward + backward of each of `packs` on this rank (the routers replaying the packs'
     routes where `replay`): per pack its log-probs and MTP loss, and every gradient in HF
-    layout summed over the data-parallel ranks and divided by `copies`, the ranks that
-    run each pack (each pack counts once)."""
+    layout summed over the data-parallel ranks and divided by `copies`, the data-parallel
+    ranks that run each pack (each pack counts once)."""
     from megatron.core import parallel_state
     logprobs, mtp_losses = [], []
     for input_ids, seqlens, loss_mask, weights, routes in packs:
@@ -4003,6 +4003,8 @@ def _moe_packs_forward_backward(model, packs, replay, copies):
         loss.backward()
         logprobs.append(out.batch.unpack(out.logprobs.detach()))
         mtp_losses.append(out.mtp_loss.detach().clone())
+    # Sequence parallel at TP 2: norms, routers and MLA's down projections hold partial sums.
+    trainer.sum_tensor_parallel_partial_grads(model)
     weights = {}
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -4017,11 +4019,13 @@ def _moe_packs_forward_backward(model, packs, replay, copies):
     return {"logprobs": logprobs, "mtp_loss": mtp_losses, "grads": grads}
 
 
-def _moe_uneven_ranks(checkpoint):
-    """EP 1 (both ranks run both packs) against EP 2 (rank r runs pack r), routers on
-    their own and replaying the packs' routes."""
+def _moe_uneven_ranks(checkpoint, tp):
+    """EP 1 (every rank runs both packs) against EP 2 at `tp` (data-parallel rank r runs pack
+    r), routers on their own and replaying the packs' routes; and this rank's data-parallel
+    rank at EP 2."""
+    from megatron.core import parallel_state
     from megatron_model import build_gpt_model
-    rank, _, _ = cpu_backend.init_distributed()
+    cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
     config = megatron_model.load_hf_config(checkpoint)
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
@@ -4029,32 +4033,36 @@ def _moe_uneven_ranks(checkpoint):
              for seed, seqlens in enumerate(UNEVEN_PACK_SEQLENS)]
     results = {}
     for ep in (1, 2):
-        cpu_backend.init_model_parallel(expert_parallel=ep, seed=0)
-        model = build_gpt_model(checkpoint, expert_parallel=ep)
+        layout_tp = tp if ep > 1 else 1
+        cpu_backend.init_model_parallel(tensor_parallel=layout_tp, expert_parallel=ep, seed=0)
+        model = build_gpt_model(checkpoint, tensor_parallel=layout_tp, expert_parallel=ep)
         hf_weights.load_hf_into_megatron(model, checkpoint)
+        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        mine = packs if ep == 1 else packs[dp_rank:dp_rank + 1]
         for replay in (False, True):
-            results[ep, replay] = _moe_packs_forward_backward(model, packs if ep == 1 else packs[rank:rank + 1],
-                                                              replay, copies=2 // ep)
+            results[ep, replay] = _moe_packs_forward_backward(model, mine, replay,
+                                                              copies=dp_size * len(mine) // len(packs))
+    results["dp_rank"] = dp_rank
     return results
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_megatron_model_expert_parallel_ranks_with_other_token_counts_equal_one_rank(moe_checkpoints, family):
-    """megatron-core's all-to-all dispatcher at EP 2, the ranks holding 37 and 120 tokens,
-    against EP 1 with one rank holding both packs, with the routers on their own and
-    replaying given routes (R3)."""
-    ranks = run_in_processes(_moe_uneven_ranks, world_size=2, args=(moe_checkpoints[family],))
+@pytest.mark.parametrize("family,tp", [("deepseek", 1), ("glm", 1), ("deepseek", 2)])
+def test_megatron_model_expert_parallel_ranks_with_other_token_counts_equal_one_rank(moe_checkpoints, family, tp):
+    """megatron-core's all-to-all dispatcher at EP 2 (x TP 2: 4 processes), the
+    expert-parallel ranks holding 37 and 120 tokens, against EP 1 with one rank holding both
+    packs, with the routers on their own and replaying given routes (R3)."""
+    ranks = run_in_processes(_moe_uneven_ranks, world_size=2 * tp, args=(moe_checkpoints[family], tp))
     for replay in (False, True):
         reference = ranks[0][1, replay]
         for rank, results in enumerate(ranks):
-            own = results[2, replay]
-            logprobs = (own["logprobs"][0] - reference["logprobs"][rank]).abs().max().item()
+            own, pack = results[2, replay], results["dp_rank"]
+            logprobs = (own["logprobs"][0] - reference["logprobs"][pack]).abs().max().item()
             worst = max((own["grads"][name] - grad).abs().max().item() for name, grad in reference["grads"].items())
-            print(f"{family} replay={replay} rank {rank} ({len(own['logprobs'][0])} tokens): EP 2 vs EP 1 log-probs "
-                  f"{logprobs:.1e}, gradients {worst:.1e}")
-            assert len(own["logprobs"][0]) == sum(UNEVEN_PACK_SEQLENS[rank])
+            print(f"{family} tp {tp} replay={replay} rank {rank} ({len(own['logprobs'][0])} tokens): EP 2 vs EP 1 "
+                  f"log-probs {logprobs:.1e}, gradients {worst:.1e}")
+            assert len(own["logprobs"][0]) == sum(UNEVEN_PACK_SEQLENS[pack])
             assert logprobs < 1e-6
-            torch.testing.assert_close(own["mtp_loss"][0], reference["mtp_loss"][rank], rtol=0, atol=1e-6)
+            torch.testing.assert_close(own["mtp_loss"][0], reference["mtp_loss"][pack], rtol=0, atol=1e-6)
             assert set(own["grads"]) == set(reference["grads"])
             for name, grad in reference["grads"].items():
                 torch.testing.assert_close(own["grads"][name], grad, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
