@@ -6100,6 +6100,18 @@ def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_no
     assert not (tmp_path / "out").exists()
 
 
+def test_flags_docs_list_every_flag():
+    """docs/FLAGS.md's table names every flag of the parser in its first column, and no flag
+    the parser lacks."""
+    with open(os.path.join(REPO_DIR, "docs", "FLAGS.md")) as f:
+        first_cells = [line.split("|")[1] for line in f if line.startswith("| `--")]
+    documented = {flag for cell in first_cells for flag in re.findall(r"`(--[a-z0-9-]+)", cell)}
+    parser_flags = [[name for name in action.option_strings if name.startswith("--")]
+                    for action in flags.build_parser()._actions if action.option_strings != ["-h", "--help"]]
+    assert [names for names in parser_flags if not set(names) & documented] == []
+    assert sorted(documented - {name for names in parser_flags for name in names}) == []
+
+
 def test_flags_defaults_are_the_module_configs_own():
     # A flag that sets a module's config field takes its default from that field (or derives
     # it: None), never a second literal of its own.
