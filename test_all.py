@@ -169,6 +169,59 @@ def test_readme_module_table_matches_imports():
     assert wrong == {}, "README's module table says other floors or imports than the code"
 
 
+# README's names of the packages a module imports (`import NAME`), where they differ.
+README_PACKAGE_NAMES = {"megatron": "megatron-core", "vllm": "vLLM", "math_verify": "math-verify",
+                        "transformer_engine": "Transformer Engine", "trl": "TRL"}
+
+
+def _package_imports(repo_dir):
+    """{module: (the packages it imports at module level, those it imports only inside a
+    function or class)} for every top-level .py file but test_all.py, each package by
+    README's name; the standard library and project modules left out."""
+    modules = {name[:-3] for name in os.listdir(repo_dir) if name.endswith(".py") and name != "test_all.py"}
+    packages = {}
+    for module in modules:
+        with open(os.path.join(repo_dir, f"{module}.py")) as f:
+            tree = ast.parse(f.read())
+        eager, lazy = set(), set()
+
+        def visit(node, at_top):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Import) or isinstance(child, ast.ImportFrom) and child.level == 0:
+                    roots = [alias.name for alias in child.names] if isinstance(child, ast.Import) else [child.module]
+                    for root in {name.split(".")[0] for name in roots} - modules - set(sys.stdlib_module_names):
+                        (eager if at_top else lazy).add(README_PACKAGE_NAMES.get(root, root))
+                visit(child, at_top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+        visit(tree, True)
+        packages[module] = (eager, lazy - eager)
+    return packages
+
+
+def _readme_package_cells(readme_path):
+    """{module: (the packages its row's "imports" cell names, those it names after "lazily:")}:
+    "torch, megatron-core; lazily: vLLM"; "stdlib" or "—" alone name none; a name's
+    parenthesised note is not part of it."""
+    with open(readme_path) as f:
+        section = f.read().split(README_MODULE_SECTION, 1)[1].split("\n## ", 1)[0]
+    cells = {}
+    for line in section.splitlines():
+        row = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and row[0].isdigit():
+            eager, _, lazy = re.sub(r"\s*\([^)]*\)", "", row[3]).partition("; lazily:")
+            names = [{name.strip() for name in re.split(r",| and ", part)} - {"", "stdlib", "—"} for part in (eager, lazy)]
+            for module in re.findall(r"`(\w+)\.py`", row[1]):
+                cells[module] = tuple(names)
+    return cells
+
+
+def test_readme_module_table_names_each_modules_packages_and_which_load_lazily():
+    code, readme = _package_imports(REPO_DIR), _readme_package_cells(os.path.join(REPO_DIR, "README.md"))
+    wrong = {module: {"README": [sorted(names) for names in readme.get(module, ())],
+                      "code": [sorted(names) for names in packages]}
+             for module, packages in code.items() if readme.get(module) != packages}
+    assert wrong == {}, "README's imports column says other packages, or other lazy ones, than the code"
+
+
 # ---------------------------------------------------------------------------------------
 # Foundation: tiny checkpoint in vLLM, megatron-core on CPU, RNG tracker
 # ---------------------------------------------------------------------------------------
