@@ -47,6 +47,7 @@ import flags
 import forward
 import grpo_loss
 import hf_weights
+import launch
 import megatron_model
 import memory_plan
 import preflight
@@ -2235,7 +2236,7 @@ def test_tasks_held_out_prompts_are_never_sampled_for_training():
 
 def test_tasks_count_answers_and_credits_each_digit_that_follows_the_one_before(tiny_checkpoint):
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as train_grpo loads it
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as launch.start loads it
     assert tasks.task_examples("count", "7", 1) == [{"prompt": "count:7", "answer": "89012345678901234567890123456789"}]
     assert tasks.task_examples("count", "7", 2)[0]["answer"][:6] == "913579"
     settings = _settings(["--task", "count"])
@@ -2690,13 +2691,13 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
     shutil.copytree(reference_out, out)
     newest = out / "checkpoints" / "step_000005" / "rank1.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    layout = train_grpo.run_layout(_run_config(["--out", str(out)]), world_size=2)
+    layout = launch.run_layout(_run_config(["--out", str(out)]), world_size=2)
     assert checkpoint.choose_checkpoint(str(out), "auto", layout) == str(out / "checkpoints" / "step_000004")
     warning = capsys.readouterr().err
     assert f"checkpoint {out / 'checkpoints' / 'step_000005'} skipped: {newest} is 1000 bytes, expected" in warning
     with pytest.raises(checkpoint.CheckpointError,
                        match="was saved with world_size 2, tp 1; this run has world_size 4, tp 2"):
-        checkpoint.choose_checkpoint(str(out), "auto", train_grpo.run_layout(_run_config(["--tp", "2"]), world_size=4))
+        checkpoint.choose_checkpoint(str(out), "auto", launch.run_layout(_run_config(["--tp", "2"]), world_size=4))
     # As the command says it, before any process group: one line, no traceback (this process: world size 1).
     with pytest.raises(SystemExit) as refused:
         train_grpo.main(flags.parse_args(["--out", str(out)]))
@@ -2845,7 +2846,7 @@ def test_checkpoint_full_disk_is_refused_naming_the_folder_and_the_last_one_stay
         assert int(said[2]) >= sum(os.path.getsize(os.path.join(said[3], f"rank{r}.pt")) for r in range(2))
         assert os.listdir(root) == ["step_000002"] and checkpoint.checkpoint_problem(said[3]) is None
         # What the same command resumes from (the signal test runs such a resume).
-        layout = train_grpo.run_layout(_run_config(["--out", out, *FULL_DISK_RUN]), world_size=2)
+        layout = launch.run_layout(_run_config(["--out", out, *FULL_DISK_RUN]), world_size=2)
         assert checkpoint.choose_checkpoint(out, "auto", layout) == said[3]
     finally:
         subprocess.run(["umount", str(disk)], check=True)
@@ -5587,9 +5588,9 @@ def _settings(given=(), world_size=1):
 
 
 def _run_config(given=(), world_size=1):
-    """train_grpo's RunConfig for `given`, as its `main` builds it."""
+    """launch's RunConfig for `given`, as `launch.prepare` builds it."""
     settings = _settings(given, world_size)
-    return flags.settings_config(settings, train_grpo.RunConfig, resolved_flags=vars(settings))
+    return flags.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -5838,7 +5839,7 @@ def test_train_grpo_reward_that_hangs_late_on_one_rank_saves_the_last_step_and_r
     rewards.write_text(LATE_REWARD.replace("time.sleep(3600)", "pass"))
     for told in ([], ["--resume-with-changed-inputs"]):
         settings = _settings(command[command.index("--out"):] + told)
-        digests = train_grpo.input_digests(flags.settings_config(settings, tasks.DataConfig))
+        digests = launch.input_digests(flags.settings_config(settings, tasks.DataConfig))
         if told:
             checkpoint.refuse_changed_inputs(newest, vars(settings), digests)
             continue
@@ -5943,7 +5944,7 @@ def _refuse_process_group(*args, **kwargs):
 def test_train_grpo_rejects_a_bad_flag_before_the_process_group(kind, tmp_path, monkeypatch):
     given, expected = BAD_FLAGS[kind]
     # The check comes before the process group, so before any model or engine.
-    monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
+    monkeypatch.setattr(launch, "init_distributed", _refuse_process_group)
     with pytest.raises(SystemExit) as refused:
         train_grpo.main(flags.parse_args(["--out", str(tmp_path / "out"), *given]))
     assert expected in str(refused.value.code)
@@ -5976,7 +5977,7 @@ def _bad_model(directory, kind):
 @pytest.mark.parametrize("kind", BAD_MODEL_CONFIGS)
 def test_train_grpo_refuses_a_model_config_it_cannot_build_before_the_process_group(kind, tmp_path, monkeypatch):
     expected = _bad_model(tmp_path / "model", kind)
-    monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
+    monkeypatch.setattr(launch, "init_distributed", _refuse_process_group)
     with pytest.raises(SystemExit) as refused:
         train_grpo.main(flags.parse_args(["--model", str(tmp_path / "model"), "--out", str(tmp_path / "out")]))
     header, problem = str(refused.value.code).split("\n")
@@ -6570,14 +6571,14 @@ def _save_resumable(out, given, step):
     """A complete save of `step` that main, in a world of one with the flags `given`, resumes from."""
     cpu_backend.init_distributed()
     settings = _settings(given)
-    meta = dict(train_grpo.run_layout(settings, 1), flags=vars(settings), inputs={})
+    meta = dict(launch.run_layout(settings, 1), flags=vars(settings), inputs={})
     checkpoint.save_checkpoint(out, step, {"model": {"w": torch.full((64,), float(step))}, "step": step}, meta,
                                keep=3, rank=0)
 
 
 def _refused_by_main(given, monkeypatch):
     """main's one refusal of `given` (a world of one), before any process group."""
-    monkeypatch.setattr(train_grpo, "init_distributed", _refuse_process_group)
+    monkeypatch.setattr(launch, "init_distributed", _refuse_process_group)
     with pytest.raises(SystemExit) as refused:
         train_grpo.main(flags.parse_args(given))
     return str(refused.value.code)
@@ -6613,7 +6614,7 @@ def test_train_grpo_every_save_failing_verification_is_refused_naming_each_and_n
     assert _files_of(out) == before
     # --resume afresh, the explicit way on: nothing to resume, the flags pass, and at the
     # start each failed save is set aside, where no later save prunes it.
-    layout = train_grpo.run_layout(_settings(["--out", out]), world_size=1)
+    layout = launch.run_layout(_settings(["--out", out]), world_size=1)
     assert checkpoint.choose_checkpoint(out, "afresh", layout) is None
     assert flags.flag_problems(flags.parse_args(["--out", out, "--resume", "afresh"]), 1) == []
     assert checkpoint.set_aside_failed(out, None) == [f"{root}/step_000005.corrupt", f"{root}/step_000004.corrupt"]
@@ -6794,7 +6795,7 @@ def _main_before_any_model(given):
     """_main_with_flags where building the policy stops the run: what main says before any model."""
     def no_model(*args, **kwargs):
         raise SystemExit("the policy was built")
-    train_grpo.trainer.build_policy = no_model
+    launch.trainer.build_policy = no_model
     return _main_with_flags(given)
 
 
@@ -6839,7 +6840,7 @@ EXPORT_DISK_RUN = ("--steps", "1", "--save-every", "1", "--keep-checkpoints", "1
 
 
 def test_train_grpo_full_disk_during_the_final_export_is_one_line_and_the_save_stays(tmp_path):
-    weights = os.path.getsize(os.path.join(train_grpo.write_builtin_model("tiny"), "model.safetensors"))
+    weights = os.path.getsize(os.path.join(launch.write_builtin_model("tiny"), "model.safetensors"))
     disk = tmp_path / "disk"
     disk.mkdir()
     size = 3 * weights + checkpoint.SAVE_OVERHEAD_BYTES + weights // 2
@@ -7121,7 +7122,7 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
 
 
 def _optimizer_after_resume(checkpoint_dir, directory):
-    """train_grpo.load_state into a policy built with another learning rate: the lr of each
+    """launch.load_state into a policy built with another learning rate: the lr of each
     param group after it, and whether a tuner of another depth was left alone."""
     from megatron_model import build_gpt_model
     cpu_backend.init_distributed()
@@ -7134,18 +7135,18 @@ def _optimizer_after_resume(checkpoint_dir, directory):
     torch.save({"model": model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": 7,
                 "draft_tuner": saved}, os.path.join(directory, "rank0.pt"))
     resumed = trainer.Policy(model, *trainer.build_optimizer(model, 1e-4, 1.0))
-    step = train_grpo.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
+    step = launch.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
     # A tuner saved before k was chosen per band (no num_bands) is left alone too.
     older = {name: value for name, value in draft_tuner.DraftTuner(max_tokens=2, num_bands=bands).state_dict().items()
              if name != "num_bands"}
     torch.save({"model": model.state_dict(), "optimizer": policy.optimizer.state_dict(), "step": 7,
                 "draft_tuner": older}, os.path.join(directory, "rank0.pt"))
     tuner.acceptance[0] = 0.5
-    train_grpo.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
+    launch.load_state(directory, resumed, SimpleNamespace(tuner=tuner), 0, lr=5e-5)
     return step, [group["lr"] for group in resumed.optimizer.param_groups], (tuner.max_tokens, tuner.acceptance[0])
 
 
-def test_train_grpo_resumed_optimizer_takes_the_new_lr(tiny_checkpoint, tmp_path):
+def test_launch_resumed_optimizer_takes_the_new_lr(tiny_checkpoint, tmp_path):
     step, rates, depth = run_in_processes(_optimizer_after_resume, args=(tiny_checkpoint, str(tmp_path)))[0]
     assert step == 7 and rates and all(rate == 5e-5 for rate in rates) and depth == (2, 0.5)
 
