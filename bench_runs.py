@@ -12,8 +12,8 @@ vllm_sync's bucketed push against a naive one, each in a spawned process.
 
 Imports torch and the project's cpu_backend, draft_tuner, hf_weights, megatron_model,
 rollout, run_log, spec_config, tasks, tiny_model, vllm_sync and harness;
-vLLM, matplotlib, transformers, datasets and TRL (with flags, grpo_loss and launch,
-for the default run's configs) inside the rows that need them.
+vLLM, matplotlib, transformers, datasets and TRL (with flags, run_configs, grpo_loss and
+launch, for the default run's configs) inside the rows that need them.
 """
 
 import json
@@ -551,13 +551,14 @@ def trl_worker(out):
     from trl import GRPOConfig, GRPOTrainer
     import flags
     import launch
+    import run_configs
     from grpo_loss import RewardConfig
     torch.set_num_threads(TRL_THREADS)
     settings = flags.check_args(flags.parse_args(["--out", out]), world_size=OUR_PROCESSES)
     # The default run's configs, as launch.prepare builds them.
-    run = flags.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
-    data, reward = flags.settings_config(settings, tasks.DataConfig), flags.settings_config(settings, RewardConfig)
-    train = flags.train_config(settings)
+    run = run_configs.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
+    data, reward = run_configs.settings_config(settings, tasks.DataConfig), run_configs.settings_config(settings, RewardConfig)
+    train = run_configs.train_config(settings)
     model_dir = launch.write_builtin_model(run.builtin_model)
     examples, _ = tasks.split_examples(None, None, run.seed, data.task, data.count_step)
     prompts_per_step = OUR_PROCESSES * run.prompts_per_step

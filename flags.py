@@ -1,11 +1,11 @@
-"""train_grpo.py's command line: parsed, checked and resolved once, then handed out as each
-module's own small config.
+"""train_grpo.py's command line: parsed, checked and resolved once; run_configs then hands
+out each module's own small config from the resolved settings.
 
     args = parse_args()                              # the flags as given (None: derived later)
     settings = check_args(args, world_size)          # every problem named at once, or the resolved run
     settings = rollout_context(settings, hf_config, longest_prompt)  # the engines' context, once tokenized
-    trainer.build_policy(model_dir, train_config(settings))
-    rollout.build_engines(model_dir, rollout_config(settings), rank)
+    trainer.build_policy(model_dir, run_configs.train_config(settings))
+    rollout.build_engines(model_dir, run_configs.rollout_config(settings), rank)
 
 Every flag is checked here before any process group exists: a bad value, a flag that does
 not fit the model or the layout, a config.json megatron_model cannot build, a data file or
@@ -13,11 +13,10 @@ reward that does not load, each named with its value and what is expected (`usag
 rank 0 says it, every process exits). The resolved settings are an argparse.Namespace;
 train_grpo.py keeps it whole only as a checkpoint's meta (so that a resume can say which
 flag changed). Every module, train_grpo's loop too, takes its own frozen dataclass.
-Imports torch, the standard library and the modules whose configs and checks it uses.
+Imports torch, the standard library and the modules whose defaults and checks it uses.
 """
 
 import argparse
-import dataclasses
 import importlib.util
 import math
 import os
@@ -43,9 +42,6 @@ DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
 DEFAULT_MAX_POSITIONS = 4096
-# The shortest context the engines get: vLLM renders a chat prompt of its own when it starts
-# (about 14 tokens on the built-in model) and prints a traceback when it does not fit.
-MIN_MODEL_LEN = 256
 # vLLM-CPU's KV cache block in tokens: 128, and 16 for MLA (its decode kernel's only size).
 KV_BLOCK_TOKENS, MLA_KV_BLOCK_TOKENS = 128, 16
 # DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.
@@ -638,13 +634,13 @@ def check_args(args, world_size):
 def rollout_context(settings, hf_config, longest_prompt):
     """The settings with the engines' max_model_len: the longest prompt (in tokens) plus the
     most tokens a request generates (--max-new-tokens; auto's acceptance check) plus the
-    draft tokens of the last verify step, at least MIN_MODEL_LEN, capped by the model's
+    draft tokens of the last verify step, at least rollout.MIN_MODEL_LEN, capped by the model's
     max_position_embeddings. A published 128k context would ask for KV cache the run never
     uses. On CPU, where --kv-cache-bytes sizes the cache, a context that does not fit it is
     a `usage_error` (train_grpo asks once the tokenizer loads, before any model)."""
     generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if settings.auto_draft else 0)
     drafts = settings.draft_tokens if settings.mtp_rollout else 0
-    max_model_len = min(max(longest_prompt + generated + drafts, MIN_MODEL_LEN), settings.max_positions)
+    max_model_len = min(max(longest_prompt + generated + drafts, rollout.MIN_MODEL_LEN), settings.max_positions)
     # vLLM holds a request's context in whole blocks, plus one block it keeps empty.
     block = MLA_KV_BLOCK_TOKENS if "kv_lora_rank" in hf_config else KV_BLOCK_TOKENS
     per_token = memory_plan.kv_bytes_per_token(
@@ -659,7 +655,7 @@ def rollout_context(settings, hf_config, longest_prompt):
 
 
 # ---------------------------------------------------------------------------------------
-# Each module's config from the resolved settings
+# Drafting settled once, for every reader
 # ---------------------------------------------------------------------------------------
 
 def draft_plan(args, mtp_rollout):
@@ -668,53 +664,3 @@ def draft_plan(args, mtp_rollout):
     `resolve` keeps in the settings for every other reader."""
     auto = args.num_speculative_tokens == "auto"
     return mtp_rollout and auto, args.max_speculative_tokens if auto else args.num_speculative_tokens
-
-
-def settings_config(settings, config_class, **given):
-    """A module's config dataclass `config_class` (tasks.DataConfig, grpo_loss.RewardConfig,
-    train_grpo.RunConfig, ...) from the resolved settings: each field the setting of its
-    name, but those `given`."""
-    return config_class(**{field.name: getattr(settings, field.name) for field in dataclasses.fields(config_class)
-                           if field.name not in given}, **given)
-
-
-def loss_config(settings):
-    """The policy loss's settings: grpo_loss.LossConfig."""
-    return settings_config(settings, grpo_loss.LossConfig)
-
-
-def train_config(settings):
-    """The train phase's settings: trainer.TrainConfig, the loss's included."""
-    return settings_config(settings, trainer.TrainConfig, loss=loss_config(settings))
-
-
-def plan_world_size(args):
-    """The world size a --plan is made for: --plan-world-size, else torchrun's WORLD_SIZE, else 1."""
-    return args.plan_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def plan_config(settings, world_size, bf16):
-    """The memory plan's settings: memory_plan.PlanConfig. `bf16`: the GPU's default when --bf16 is
-    not given (a plan is made for the GPUs, maybe on a host without one). A micro-batch's
-    tokens: --max-tokens-per-micro-batch, else its sequences (--prompts-per-step x
-    --group-size per data-parallel rank, over --mini-batches x --micro-batches) x
-    --max-new-tokens plus a prompt of MIN_MODEL_LEN."""
-    sequences = settings.prompts_per_step * settings.group_size // (settings.mini_batches * settings.micro_batches)
-    return memory_plan.PlanConfig(
-        world_size=world_size, tp=settings.tp, cp=settings.cp, ep=settings.ep, pp=settings.pp, bf16=bf16,
-        distributed_optimizer=settings.distributed_optimizer,
-        mtp_train=settings.mtp_train, mtp_rollout=settings.mtp_rollout, reference_model=settings.kl_coef > 0,
-        micro_batch_tokens=settings.max_tokens_per_micro_batch or sequences * (settings.max_new_tokens + MIN_MODEL_LEN),
-        rollout_tp=settings.rollout_tp,
-        gpu_memory_utilization=settings.gpu_memory_utilization, device_memory=settings.device_memory)
-
-
-def rollout_config(settings):
-    """The engine's settings: rollout.RolloutConfig, drafting as `resolve` settled it."""
-    return rollout.RolloutConfig(
-        dtype="bfloat16" if settings.bf16 else "float32", rollout_tp=settings.rollout_tp, seed=settings.seed,
-        temperature=settings.temperature, max_model_len=settings.max_model_len, mtp_rollout=settings.mtp_rollout,
-        auto_draft=settings.auto_draft, draft_tokens=settings.draft_tokens, tune_every=settings.tune_every,
-        acceptance_check_every=settings.acceptance_check_every, check_draft_every=settings.check_draft_every,
-        spec_overrides=settings.spec_config,
-        gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_bytes=settings.kv_cache_bytes)

