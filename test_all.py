@@ -6199,17 +6199,23 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
 
 
-@pytest.mark.parametrize("argv, has_mtp, expected", [
-    ([], True, (True, True, 3)),
-    (["--max-speculative-tokens", "2"], True, (True, True, 2)),
-    (["--num-speculative-tokens", "2"], True, (True, False, 2)),
-    (["--no-mtp-rollout"], True, (False, False, 3)),
-    ([], False, (False, False, 3)),
-])
-def test_flags_drafting_is_settled_once_and_every_reader_takes_it(argv, has_mtp, expected):
+# (flags, the model has MTP layers, the settled (mtp_rollout, auto_draft, draft_tokens)) by
+# case; a case's name, not its flags, is its test id (a flag may name another module).
+DRAFTING_CASES = {
+    "auto": ([], True, (True, True, 3)),
+    "auto at most 2": (["--max-speculative-tokens", "2"], True, (True, True, 2)),
+    "fixed 2": (["--num-speculative-tokens", "2"], True, (True, False, 2)),
+    "no drafting": (["--no-mtp-rollout"], True, (False, False, 3)),
+    "a model without MTP": ([], False, (False, False, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFTING_CASES))
+def test_flags_drafting_is_settled_once_and_every_reader_takes_it(case):
     """--num-speculative-tokens, --max-speculative-tokens, --mtp-rollout and the model's MTP
     layers settle (mtp_rollout, auto_draft, draft_tokens) in resolve; the engine's config
     and the tune and check periods follow them, and auto without MTP rollout is refused."""
+    argv, has_mtp, expected = DRAFTING_CASES[case]
     args = flags.parse_args(argv + ["--tune-every", "7", "--acceptance-check-every", "3"])
     hf_config = {**tiny_model.builtin_config("tiny")[1], **({} if has_mtp else {"num_nextn_predict_layers": 0})}
     settings = flags.resolve(args, hf_config, world_size=2)
