@@ -171,6 +171,15 @@ def test_readme_module_table_matches_imports():
     assert wrong == {}, "README's module table says other floors or imports than the code"
 
 
+def test_readme_reading_order_names_every_module():
+    with open(os.path.join(REPO_DIR, "README.md")) as f:
+        order = f.read().split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`(\w+)\.py`", order)
+    files = sorted(name[:-3] for name in os.listdir(REPO_DIR) if name.endswith(".py"))
+    assert (sorted(set(files) - set(named)), sorted(set(named) - set(files))) == ([], [])
+    assert len(named) == len(set(named)), "a module named twice in README's reading order"
+
+
 # README's names of the packages a module imports (`import NAME`), where they differ.
 README_PACKAGE_NAMES = {"megatron": "megatron-core", "vllm": "vLLM", "math_verify": "math-verify",
                         "transformer_engine": "Transformer Engine", "trl": "TRL"}
