@@ -7635,13 +7635,12 @@ def test_memory_plan_proposes_only_stage_counts_that_divide_the_layers():
     """DeepSeek-V3's 61 layers: --pp 4 is refused as the run refuses it (megatron_model
     builds even stages), and the search for TP 8, EP 8 on 256 x 80GB proposes no --pp."""
     hf_config = tiny_model.PUBLISHED_CONFIGS["deepseek-v3"][0]
-    config = memory_plan.PlanConfig(world_size=256, tp=8, ep=8, rollout_tp=128, auto_draft=False,
+    config = memory_plan.PlanConfig(world_size=256, tp=8, ep=8, rollout_tp=128,
                                     distributed_optimizer=True, gpu_memory_utilization=0.2, micro_batch_tokens=1024,
                                     device_memory=80 * 10**9)
     assert memory_plan.layout_problems(hf_config, dataclasses.replace(config, pp=4)) == [
         "--pp 4: expected a divisor of the 61 layers"]
     changes, _ = memory_plan.what_to_change(hf_config, config)
-    print(changes)
     assert not any(change.startswith("--pp") for change in changes)
     assert memory_plan.layout_problems(tiny_model.builtin_config("deepseek")[1], dataclasses.replace(
         config, world_size=2, tp=1, ep=1, rollout_tp=1, pp=2)) == []
