@@ -419,17 +419,14 @@ def row_draft_training():
 # rl_drafting: one RL run with drafting (auto) against the same run without, taking turns
 # ---------------------------------------------------------------------------------------
 
-# The walk task (long-tailed responses that end at EOS) from a policy that mostly walks, as
-# RL starts from an SFT model: it ends its answers and its MTP head trained alongside
-# (stage 1, 150 steps: reward 0.97, the head's loss 0.35; it rolls out without drafting, so it
-# depends on the seed alone). From it, the same run, seed and flags with
-# --num-speculative-tokens auto and with --no-mtp-rollout, RL_ROUNDS times, their order
-# swapped each round. 8 prompts per step (64 sequences per engine): on a CPU a crowded
-# engine step is compute-bound, so fewer sequences leave the rollout's thin tail a larger
-# share, as a GPU's memory-bound steps do at any batch.
-RL_STAGE1_FLAGS = ("--task", "walk", "--steps", "150", "--no-mtp-rollout")
-RL_STAGE2_FLAGS = ("--task", "walk", "--steps", "40", "--prompts-per-step", "8")
+# The tail task (response lengths lognormal, as real RL's) from its supervised warm start
+# (warm_start.py, built once before the timed runs): the same run, seed and flags with
+# drafting (auto) and with --no-mtp-rollout, RL_ROUNDS times, their order swapped each round.
+# The oracle, in the first round: the same run at each fixed k; per band of live batch sizes
+# the fastest of them and none, in hindsight, times the none run's tokens in that band.
+RL_FLAGS = ("--task", "tail")
 RL_VARIANTS = {"drafting": (), "none": ("--no-mtp-rollout",)}
+RL_ORACLE_VARIANTS = {f"k={k}": ("--num-speculative-tokens", str(k)) for k in range(1, 4)}
 RL_ROUNDS = 3
 RL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-rl-drafting")
 RL_PLOT = os.path.join(FIGURES_DIR, "rl_drafting_cpu.png")
@@ -439,13 +436,28 @@ def rl_phase_seconds(records, phases):
     return sum(r[f"{phase}_s"] for r in records for phase in phases)
 
 
-def rl_band_seconds(records):
-    """{band label: seconds} summed over a run's rollouts (every engine's)."""
-    seconds = {}
+def rl_band_totals(records):
+    """{band label: (tokens, seconds)} summed over a run's rollouts (every engine's)."""
+    totals = {}
     for record in records:
         for label, band in (record.get("bands") or {}).items():
-            seconds[label] = seconds.get(label, 0.0) + band["seconds"]
-    return seconds
+            tokens, seconds = totals.get(label, (0, 0.0))
+            totals[label] = (tokens + band["tokens"], seconds + band["seconds"])
+    return totals
+
+
+def rl_oracle_speedup(none, fixed_runs):
+    """The rollout phase's gain of the best fixed k per band in hindsight: the none run's
+    rollout phase over the same with each band's seconds at the fastest speed (tokens/s)
+    any of `fixed_runs` (k = 1, 2, 3) or none ran that band at."""
+    phase = rl_phase_seconds(none, ("tune", "rollout"))
+    oracle = phase
+    speeds = [rl_band_totals(records) for records in fixed_runs]
+    for label, (tokens, seconds) in rl_band_totals(none).items():
+        fastest = max([tokens / seconds] + [run[label][0] / run[label][1] for run in speeds
+                                            if label in run and run[label][1] > 0])
+        oracle -= seconds - tokens / fastest
+    return phase / oracle
 
 
 def rl_acceptance_by_depth(records):
@@ -474,53 +486,67 @@ def plot_rl_drafting(rounds, path):
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.suptitle("walk task, 2 processes, 8 prompts x 8 completions per engine: drafting by live batch size "
-                    "(auto) vs none, from the same policy",
+    figure.suptitle("tail task, 2 processes, 16 prompts x 8 completions per engine, from its warm start: drafting by "
+                    "live batch size (auto) vs none",
                     fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
 
-def rl_round(number, initial):
-    """One round: each variant's run from `initial`, fresh, in this round's order."""
-    names = list(RL_VARIANTS) if number % 2 else list(reversed(RL_VARIANTS))
+def rl_round(number, variants):
+    """One round: each of `variants` (name -> flags) run fresh, in this round's order."""
+    names = list(variants) if number % 2 else list(reversed(variants))
     runs = {}
     for name in names:
         out = os.path.join(RL_RUN_DIR, f"round{number}", name)
         shutil.rmtree(out, ignore_errors=True)
-        runs[name] = train_grpo_run(out, ("--model", initial, *RL_STAGE2_FLAGS, *RL_VARIANTS[name]))
-    return {name: runs[name] for name in RL_VARIANTS}
+        runs[name] = train_grpo_run(out, (*RL_FLAGS, *variants[name]))
+    return runs
 
 
-def rl_round_row(number, runs):
+def rl_tokens_per_verify_step(records):
+    """1 + A_1 + ... + A_k over a run's drafting rollouts at their deepest k (each A_i
+    unconditional: the share of verify steps whose first i drafts were all accepted)."""
+    return 1 + sum(rl_acceptance_by_depth(records))
+
+
+def rl_round_row(number, runs, oracle):
     drafting, none = runs["drafting"], runs["none"]
     rollout_phase = [rl_phase_seconds(records, ("tune", "rollout")) for records in (drafting, none)]
     step = [rl_phase_seconds(records, run_log.STEP_PHASES) for records in (drafting, none)]
-    reached = [next((r["step"] for r in records if r["reward_mean"] >= DRAFT_REWARD_TARGET), None)
-               for records in (drafting, none)]
-    bands = [rl_band_seconds(records) for records in (drafting, none)]
+    bands = [rl_band_totals(records) for records in (drafting, none)]
+    gain = rollout_phase[1] / rollout_phase[0]
     last = drafting[-1]
     return {"row": f"rl_drafting round {number}", "ours_ms": 1000 * step[0], "baseline_ms": 1000 * step[1],
             "speedup": step[1] / step[0],
             "notes": (f"rollout phase (tune + rollout) {rollout_phase[0]:.1f} s vs {rollout_phase[1]:.1f} s: "
-                      f"{rollout_phase[1] / rollout_phase[0]:.2f}x; step {step[0]:.1f} s vs {step[1]:.1f} s; reward "
-                      f"{drafting[-1]['reward_mean']:.3f} vs {none[-1]['reward_mean']:.3f} at the last step, >= "
-                      f"{DRAFT_REWARD_TARGET} from step {reached[0]} vs {reached[1]}; held-out accuracy "
-                      f"{drafting[-1].get('eval_accuracy', float('nan')):.2f} vs {none[-1].get('eval_accuracy', float('nan')):.2f}; "
-                      f"{sum(1 for r in drafting if r['draft_tokens'])} of {len(drafting)} rollouts drafted, acceptance "
-                      "by depth " + "/".join(f"{a:.2f}" for a in rl_acceptance_by_depth(drafting))
-                      + f"; last schedule {last['draft_schedule']}; seconds per band (drafting/none): "
-                      + ", ".join(f"{label} {bands[0].get(label, 0):.1f}/{bands[1].get(label, 0):.1f}"
+                      f"{gain:.2f}x (the per-band oracle {oracle:.2f}x: auto has {(gain - 1) / (oracle - 1):.0%} of its "
+                      f"gain); step {step[0]:.1f} s vs {step[1]:.1f} s; reward {drafting[-1]['reward_mean']:.3f} vs "
+                      f"{none[-1]['reward_mean']:.3f} at the last step; held-out accuracy "
+                      + " -> ".join(f"{r['eval_accuracy']:.2f}" for r in drafting if "eval_accuracy" in r) + " vs "
+                      + " -> ".join(f"{r['eval_accuracy']:.2f}" for r in none if "eval_accuracy" in r)
+                      + f"; {sum(1 for r in drafting if r['draft_tokens'])} of {len(drafting)} rollouts drafted, "
+                      "acceptance by depth " + "/".join(f"{a:.2f}" for a in rl_acceptance_by_depth(drafting))
+                      + f", {rl_tokens_per_verify_step(drafting):.2f} tokens per verify step; last schedule "
+                      f"{last['draft_schedule']}; seconds per band (drafting/none): "
+                      + ", ".join(f"{label} {bands[0].get(label, (0, 0))[1]:.1f}/{bands[1].get(label, (0, 0))[1]:.1f}"
                                   for label in sorted(set(bands[0]) | set(bands[1]),
                                                       key=lambda label: int(label.split("-")[0].rstrip("+")))))}
 
 
 def row_rl_drafting():
-    train_grpo_run(os.path.join(RL_RUN_DIR, "stage1"), RL_STAGE1_FLAGS)
-    initial = os.path.join(RL_RUN_DIR, "stage1", "final")
-    rounds = [rl_round(number, initial) for number in range(1, RL_ROUNDS + 1)]
-    plot_rl_drafting(rounds, RL_PLOT)
-    rows = [rl_round_row(number, runs) for number, runs in enumerate(rounds, 1)]
+    # The warm start is built (once) before any timed run.
+    train_grpo_run(os.path.join(RL_RUN_DIR, "warm"), (*RL_FLAGS, "--steps", "1", "--no-mtp-rollout"))
+    rounds = [rl_round(number, dict(RL_VARIANTS, **(RL_ORACLE_VARIANTS if number == 1 else {})))
+              for number in range(1, RL_ROUNDS + 1)]
+    oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS])
+    plot_rl_drafting([{name: runs[name] for name in RL_VARIANTS} for runs in rounds], RL_PLOT)
+    rows = [rl_round_row(number, runs, oracle) for number, runs in enumerate(rounds, 1)]
+    deepest = list(RL_ORACLE_VARIANTS)[-1]
+    fixed = rounds[0][deepest]
+    rows.append({"row": f"rl_drafting fixed {deepest}", "ours_ms": None, "baseline_ms": None, "speedup": None,
+                 "notes": "acceptance by depth " + "/".join(f"{a:.2f}" for a in rl_acceptance_by_depth(fixed))
+                          + f", {rl_tokens_per_verify_step(fixed):.2f} tokens per verify step"})
     rows.append({"row": "rl_drafting plot", "ours_ms": None, "baseline_ms": None, "speedup": None, "notes": RL_PLOT})
     return rows
 

@@ -118,7 +118,9 @@ def add_data_flags(p):
                         f"('count:7' -> the next {tasks.TASKS['count']['length']} digits counting up mod 10, "
                         "'8901...', credit for each digit that follows the one before) or walk ('walk:q' -> "
                         "'rStu...z' then EOS: long-tailed response lengths, credit for each symbol that follows the "
-                        "one before, in either case)")
+                        "one before, in either case) or tail ('tail:x7' -> 'x8X9y0...z9' then EOS: lengths lognormal "
+                        "like real RL's, from a supervised warm start, credit for each token that follows the two "
+                        "before)")
     p.add_argument("--count-step", type=number(int, at_least=1, at_most=tasks.MAX_COUNT_STEP), default=DATA.count_step,
                    help="--task count counts in steps of this many mod 10 (2: 'count:7' -> '9135...'); a policy "
                         "trained on one step and then on another is a policy that moves away from its MTP draft")

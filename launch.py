@@ -32,7 +32,9 @@ import run_configs
 import run_log
 import tasks
 import tiny_model
+
 import trainer
+import warm_start
 from cpu_backend import init_distributed, init_model_parallel
 from flags import usage_error
 
@@ -40,12 +42,16 @@ from flags import usage_error
 BUILTIN_MODELS_DIR = "runs"
 
 
-def write_builtin_model(name):
+def write_builtin_model(name, task=None):
     """The built-in model `name` (tiny_model.BUILTIN_MODELS) written under BUILTIN_MODELS_DIR
-    unless it is there already; returns its directory."""
+    unless it is there already, and for a built-in `task` that starts RL from a supervised
+    stage (tasks.TASKS' "warm_start") that stage's model beside it; returns its directory."""
     family, sizes = tiny_model.BUILTIN_MODELS[name]
     directory = os.path.join(BUILTIN_MODELS_DIR, f"{name}-{family}" if name != family else name)
-    return tiny_model.build_tiny_model(directory, family, **sizes)
+    directory = tiny_model.build_tiny_model(directory, family, **sizes)
+    if task is None or not tasks.TASKS[task]["warm_start"]:
+        return directory
+    return warm_start.warm_started(warm_start.WarmStartConfig(task=task), directory, f"{directory}-{task}")
 
 
 def load_inputs(data, seed):
@@ -184,7 +190,8 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
     torch.manual_seed(s.seed)
     with timer("model files"):
         # The built-in model is written once and cached; only rank 0 writes it.
-        model_dir = s.model or broadcast(write_builtin_model(s.builtin_model) if rank == 0 else None)
+        model_dir = s.model or broadcast(write_builtin_model(s.builtin_model, None if data.data else data.task)
+                                         if rank == 0 else None)
         # The one tokenizer of prompts and answers (vLLM loads the same, through transformers).
         from transformers import AutoTokenizer
         # Never the checkpoint's remote code (MiMo's config names some): its tokenizer files suffice.

@@ -72,22 +72,46 @@ REPEAT_HELD_OUT = tuple(REPEAT_LETTERS[i] + REPEAT_LETTERS[(i + 2) % len(REPEAT_
 WALK_CHAIN = "!#$%&()*+,-./;<=>?@[]^_{|}~0123456789abcdefghijklmnopqrstuvwxyz"
 WALK_HELD_OUT = tuple(WALK_CHAIN[len(WALK_CHAIN) - 1 - length] for length in (2, 5, 11, 23, 30, 47))
 WALK_STARTS = tuple(symbol for symbol in WALK_CHAIN[:-1] if symbol not in WALK_HELD_OUT)
-# Each built-in task: the symbols (repeat: letter pairs, count: digits, walk: chain symbols)
+# tail's chain: items of a letter and a digit, "n0" .. "z9", each letter in either case. A
+# start item's answer is the items after it, then EOS, so the prompt fixes the answer's
+# length (two tokens an item and EOS: 3 to 259 tokens), and each token follows from the two
+# before it: a digit counts up from the one two back, a letter repeats the one two back or
+# moves on after a 9, EOS after "z9" (a rule the deep model learns in a short supervised
+# stage). The training pool draws TAIL_POOL_SIZE answer lengths from a lognormal (median
+# TAIL_MEDIAN tokens, sigma TAIL_SIGMA), each the nearest trained start's, as real RL's
+# response lengths are long-tailed: median 9 tokens, at most 157, the longest tenth holding 38%
+# of the tokens (docs/RESULTS.md). Held out: starts whose answers are 7 to 179 tokens long;
+# their items all appear inside the training answers.
+DIGITS = "0123456789"
+TAIL_LETTERS = "nopqrstuvwxyz"
+TAIL_CHAIN = tuple(letter + digit for letter in TAIL_LETTERS for digit in DIGITS)
+TAIL_MEDIAN = 10
+TAIL_SIGMA = 1.0
+TAIL_POOL_SIZE = 1000
+TAIL_POOL_SEED = 0
+TAIL_HELD_OUT = tuple(TAIL_CHAIN[len(TAIL_CHAIN) - 1 - items] for items in (3, 5, 8, 13, 21, 34, 55, 89))
+TAIL_STARTS = tuple(item for item in TAIL_CHAIN[:-1] if item not in TAIL_HELD_OUT)
+# Each built-in task: the symbols (repeat: letter pairs, count: digits, walk: chain symbols, tail: items)
 # its prompts are drawn from, those held out for evaluation (training never samples them),
 # the answer length (walk: the longest, EOS included, with room for a few wrong tokens), the
 # built-in model (tiny_model.BUILTIN_MODELS) and learning rate it runs with by default (the
 # deep model's 16 thin layers learn the count rule in about 60 steps at 1e-3, hardly at
-# 3e-4), and whether a response ends at its EOS token. count holds out digits its training
-# never shows.
+# 3e-4), whether a response ends at its EOS token, and whether RL starts from a supervised
+# stage on its answers (warm_start.py: tail's long answers are out of reach of RL from random
+# weights in minutes, as real RL starts from a supervised model). count holds out digits its
+# training never shows.
 TASKS = {
     "repeat": {"train": tuple(first + second for first in REPEAT_LETTERS for second in REPEAT_LETTERS
                               if first + second not in REPEAT_HELD_OUT),
-               "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4, "eos": False},
-    "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3, "eos": False},
+               "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4, "eos": False,
+               "warm_start": False},
+    "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3, "eos": False,
+              "warm_start": False},
     "walk": {"train": WALK_STARTS, "held_out": WALK_HELD_OUT, "length": 67, "model": "deep", "lr": 1e-3,
-             "eos": True},
+             "eos": True, "warm_start": False},
+    "tail": {"train": TAIL_STARTS, "held_out": TAIL_HELD_OUT, "length": 2 * len(TAIL_CHAIN) + 3, "model": "deep",
+             "lr": 3e-4, "eos": True, "warm_start": True},
 }
-DIGITS = "0123456789"
 MAX_COUNT_STEP = 9
 DATA_FORMATS = (".jsonl", ".parquet")
 DEFAULT_PROMPT_KEY = "prompt"
@@ -132,11 +156,28 @@ def walk_weight(symbol):
     return round(longest / (longest - WALK_CHAIN.index(symbol)))
 
 
+def tail_length(item):
+    """The tokens of tail's answer from start `item`: two an item after it, and EOS."""
+    return 2 * (len(TAIL_CHAIN) - 1 - TAIL_CHAIN.index(item)) + 1
+
+
+def tail_pool(starts):
+    """tail's training pool: TAIL_POOL_SIZE lengths drawn from the lognormal (a fixed seed),
+    each the start of `starts` whose answer length is nearest (the shorter on a tie)."""
+    rng = random.Random(TAIL_POOL_SEED)
+    by_length = sorted(starts, key=tail_length)
+    lengths = [rng.lognormvariate(math.log(TAIL_MEDIAN), TAIL_SIGMA) for _ in range(TAIL_POOL_SIZE)]
+    return [min(by_length, key=lambda item: abs(tail_length(item) - length)) for length in lengths]
+
+
 def task_examples(task, symbols, count_step=1, weighted=False):
     """A built-in task's examples, one per symbol (repeat: a letter pair, count: a digit,
-    walk: a chain symbol; `weighted`: walk's training pool, each start `walk_weight` times):
-    [{prompt, answer}] strings."""
+    walk: a chain symbol, tail: a chain item; `weighted`: the training pool, walk's each
+    start `walk_weight` times, tail's `tail_pool`): [{prompt, answer}] strings."""
     length = TASKS[task]["length"]
+    if task == "tail":
+        return [{"prompt": f"tail:{item}", "answer": "".join(TAIL_CHAIN[TAIL_CHAIN.index(item) + 1:])}
+                for item in (tail_pool(symbols) if weighted else symbols)]
     if task == "walk":
         return [{"prompt": f"walk:{symbol}", "answer": WALK_CHAIN[WALK_CHAIN.index(symbol) + 1:]}
                 for symbol in symbols for _ in range(walk_weight(symbol) if weighted else 1)]
@@ -428,6 +469,36 @@ def walk_credits(start_id, response_ids, successors):
     return [float(token in successors.get(before, ())) for before, token in zip(previous, response_ids)]
 
 
+@functools.lru_cache(maxsize=None)
+def tail_successors(tokenizer):
+    """{(token id two back, token id one back): the ids that earn credit next} for tail's
+    rule: a letter (either case) after (letter, digit), the same letter or after a 9 the
+    next (EOS after "z9"); the digit after (digit, letter) counts up from it. Cached."""
+    def ids(text):
+        encoded = [tokenizer.encode(case, add_special_tokens=False) for case in sorted({text, text.upper()})]
+        if any(len(case_ids) != 1 for case_ids in encoded):
+            raise InputError(f"--task tail needs each of {TAIL_LETTERS + DIGITS!r} (and each letter's upper case) to "
+                             f"be one token; {tokenizer.name_or_path}'s tokenizer encodes {text!r} as {encoded}")
+        return {case_ids[0] for case_ids in encoded}
+    successors = {}
+    for index, letter in enumerate(TAIL_LETTERS):
+        for digit in DIGITS:
+            after_nine = TAIL_LETTERS[index + 1] if index + 1 < len(TAIL_LETTERS) else None
+            letter_next = ids(letter) if digit != "9" else ids(after_nine) if after_nine else {tokenizer.eos_token_id}
+            successors.update({(two_back, one_back): letter_next for two_back in ids(letter) for one_back in ids(digit)})
+            counted = ids(DIGITS[(int(digit) + 1) % 10])
+            successors.update({(two_back, one_back): counted for two_back in ids(digit) for one_back in ids(letter)})
+    return successors
+
+
+def tail_credits(prompt_ids, response_ids, successors):
+    """tail: 1.0 for each response token that may follow the two tokens before it (the
+    prompt's last two, its start item, before the first); a token after a wrong one earns
+    its credit where it follows the two before it."""
+    tokens = list(prompt_ids[-2:]) + list(response_ids)
+    return [float(token in successors.get((tokens[k], tokens[k + 1]), ())) for k, token in enumerate(response_ids)]
+
+
 def exact_match_reward(response, answer):
     """Data files: exact match, or numeric match when the answer is a number (equal
     infinities match; NaN matches nothing); 0.0 or 1.0."""
@@ -594,7 +665,7 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None, timeou
 
     sample: {example: {prompt, answer}, prompt_ids, response_ids, text}. `reward_spec`
     (MATH_REWARD, or "FILE.py:FUNCTION"; load_reward_function) wins; else `task`
-    ("repeat", "count", "walk") scores per token; else (a data file) exact match. A user's reward
+    ("repeat", "count", "walk", "tail") scores per token; else (a data file) exact match. A user's reward
     that raises (SystemExit included), runs past `timeout_s` seconds (0: no limit) or
     returns anything but finite floats is an InputError naming the prompt, the response
     and the value; `interrupted()` true while it runs (a stop signal) is RewardInterrupted.
@@ -603,6 +674,9 @@ def credit_function(tokenizer, task=None, count_step=1, reward_spec=None, timeou
         if task == "count":
             successors = digit_successors(tokenizer, count_step)
             return lambda sample: count_credits(sample["prompt_ids"][-1], sample["response_ids"], successors)
+        if task == "tail":
+            successors = tail_successors(tokenizer)
+            return lambda sample: tail_credits(sample["prompt_ids"], sample["response_ids"], successors)
         if task == "walk":
             successors = walk_successors(tokenizer)
             return lambda sample: walk_credits(sample["prompt_ids"][-1], sample["response_ids"], successors)

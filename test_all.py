@@ -65,6 +65,7 @@ import tiny_model
 import train_grpo
 import trainer
 import vllm_sync
+import warm_start
 from harness import (PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, requires_cuda,
                      run_in_processes, shared_memory_names, to_host)
 from mtp_matrix import MTP_BEHAVIOURS, MTP_MATRIX_PATH, MTP_RELATIVE_TOLERANCE, MTP_RELEASES, MTP_UPSTREAM_BROKEN
@@ -2603,6 +2604,39 @@ def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case
     score = tasks.credit_function(tokenizer, task="walk")
     sample = {"prompt_ids": tokenizer.encode("walk:x"), "response_ids": tokenizer.encode("yZ") + [eos]}
     assert score(sample) == [1.0, 1.0, 1.0]
+
+
+def test_tasks_tail_is_long_tailed_and_credits_each_token_from_the_two_before(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert tasks.task_examples("tail", ["x7"]) == [{"prompt": "tail:x7", "answer": "x8x9" + "".join(
+        tasks.TAIL_CHAIN[tasks.TAIL_CHAIN.index("y0"):])}]
+    settings = _settings(["--task", "tail"])
+    assert (settings.max_new_tokens, settings.builtin_model, settings.ignore_eos) == (263, "deep", False)
+    # The training pool's answer lengths (EOS included) are lognormal-like: median 9, the
+    # longest over 15 times that, the longest tenth holding over 35% of the tokens.
+    training, held_out = tasks.split_examples(None, None, 0, "tail")
+    lengths = sorted(len(example["answer"]) + 1 for example in training)
+    top_tenth = lengths[int(0.9 * len(lengths)):]
+    assert (len(lengths), lengths[len(lengths) // 2], lengths[-1]) == (1000, 9, 157)
+    assert sum(top_tenth) / sum(lengths) > 0.35 and lengths[-1] / lengths[len(lengths) // 2] >= 15
+    assert sorted(len(example["answer"]) + 1 for example in held_out) == [7, 11, 17, 27, 43, 69, 111, 179]
+    assert not {example["prompt"] for example in held_out} & {example["prompt"] for example in training}
+    successors, eos = tasks.tail_successors(tokenizer), tokenizer.eos_token_id
+
+    def credits(prompt, response, end=False):
+        ids = tokenizer.encode(response) + ([eos] if end else [])
+        return tasks.tail_credits(tokenizer.encode(prompt), ids, successors)
+
+    assert credits("tail:x7", "x8X9y0Y1") == [1.0] * 8
+    assert credits("tail:y8", "y9Z0z1z2z3z4z5z6z7z8z9", end=True) == [1.0] * 23
+    # A wrong token loses its own credit; the next is judged against the two before it.
+    assert credits("tail:y9", "z1z2") == [1.0, 0.0, 1.0, 1.0]
+    assert credits("tail:y8", "y9z0", end=True) == [1.0] * 4 + [0.0]
+    assert credits("tail:z8", "z9a", end=True) == [1.0, 1.0, 0.0, 0.0]
+    score = tasks.credit_function(tokenizer, task="tail")
+    sample = {"prompt_ids": tokenizer.encode("tail:z7"), "response_ids": tokenizer.encode("Z8z9") + [eos]}
+    assert score(sample) == [1.0] * 5
 
 
 def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
@@ -6626,6 +6660,49 @@ def test_flags_plan_inputs_are_read_only_with_plan_and_a_bad_size_is_named():
     assert "--plan-world-size 8: only read with --plan" in problems
     with pytest.raises(SystemExit, match="argument --device-memory: '80 gigs': expected a positive size"):
         flags.parse_args(["--plan", "--device-memory", "80 gigs"])
+
+
+# ---------------------------------------------------------------------------------------
+# warm_start: the supervised model RL starts from: a built-in task's answers by cross entropy, cached
+# ---------------------------------------------------------------------------------------
+
+def test_warm_start_step_is_the_gradient_of_the_answers_cross_entropy():
+    # The trainer's loss under warm_start's settings (advantages 1, the ratio 1, no entropy
+    # bonus, no truncated IS) against -mean log p, by autograd.
+    loss_config = warm_start.train_config(warm_start.WarmStartConfig()).loss
+    assert (loss_config.entropy_coef, loss_config.tis_cap, loss_config.kl_coef) == (0.0, 0.0, 0.0)
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2])
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    per_token, _ = grpo_loss.policy_loss(logprobs, logprobs.detach(), torch.zeros(7), torch.ones(7),
+                                         clip_low=loss_config.clip_low, clip_high=loss_config.clip_high,
+                                         dual_clip=loss_config.dual_clip, tis_cap=loss_config.tis_cap,
+                                         loss=loss_config.loss)
+    gradient, = torch.autograd.grad(per_token.mean(), logits, retain_graph=True)
+    expected, = torch.autograd.grad(-logprobs.mean(), logits)
+    torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-7)
+
+
+def test_warm_start_builds_once_learns_and_is_rebuilt_when_its_inputs_change(tmp_path, capfd, monkeypatch):
+    base = tiny_model.build_tiny_model(str(tmp_path / "base"), "mimo")
+    out = str(tmp_path / "warm")
+    config = warm_start.WarmStartConfig(task="tail", steps=6, answers_per_step=8, lr=3e-3)
+    assert warm_start.warm_started(config, base, out) == out
+    printed = capfd.readouterr().out
+    # A progress line after the first step and the last, the cross entropy falling.
+    entropies = [float(value) for value in re.findall(r"cross entropy ([0-9.]+)", printed)]
+    assert len(entropies) == 2 and entropies[1] < entropies[0], printed
+    assert warm_start.is_built(config, base, out)
+    trained, initial = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(base, "model.safetensors"))
+    assert trained.keys() == initial.keys()
+    assert not torch.equal(trained["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+    # Reused as it is: no second stage.
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt a finished warm start"))
+    assert warm_start.warm_started(config, base, out) == out
+    # Another config, or a stage that never wrote its stamp, is not the same checkpoint.
+    assert not warm_start.is_built(dataclasses.replace(config, steps=7), base, out)
+    os.remove(os.path.join(out, warm_start.STAMP))
+    assert not warm_start.is_built(config, base, out)
 
 
 # ---------------------------------------------------------------------------------------
