@@ -30,6 +30,7 @@ import forward
 import grpo_loss
 import memory_plan
 import preflight
+import rewards
 import rollout
 import spec_config
 import tasks
@@ -454,8 +455,8 @@ def data_problems(args):
             problems.append(f"{flag} {key!r}: only read with --data (the built-in task has its own examples)")
     if args.reward is not None:
         try:
-            tasks.load_reward_function(args.reward)
-        except tasks.InputError as error:
+            rewards.load_reward_function(args.reward)
+        except rewards.InputError as error:
             problems.append(str(error))
     return problems
 

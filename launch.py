@@ -27,6 +27,7 @@ import hf_weights
 import memory_plan
 import mtp_patch
 import preflight
+import rewards
 import rollout
 import run_configs
 import run_log
@@ -63,7 +64,7 @@ def load_inputs(data, seed):
     examples, held_out = tasks.split_examples(load(data.data, "--data"), load(data.eval_data, "--eval-data"), seed,
                                               data.task, data.count_step)
     if data.reward:
-        tasks.try_reward(data.reward, examples[0], data.reward_timeout)
+        rewards.try_reward(data.reward, examples[0], data.reward_timeout)
     return examples, held_out
 
 
@@ -71,7 +72,7 @@ def input_digests(data):
     """{flag: sha256 of its file} for --data, --eval-data and the --reward file of `data`
     (tasks.DataConfig): a resumed run must find them as the checkpoint's run left them
     (checkpoint.refuse_changed_inputs)."""
-    reward_file = data.reward.rpartition(":")[0] if data.reward and data.reward != tasks.MATH_REWARD else None
+    reward_file = data.reward.rpartition(":")[0] if data.reward and data.reward != rewards.MATH_REWARD else None
     digests = {}
     for flag, path in (("--data", data.data), ("--eval-data", data.eval_data), ("--reward", reward_file)):
         if path:
@@ -81,11 +82,11 @@ def input_digests(data):
 
 
 def refusing(function, *args):
-    """`function(*args)`, a tasks.InputError (bad data, a bad reward) or a
+    """`function(*args)`, a rewards.InputError (bad data, a bad reward) or a
     checkpoint.CheckpointError (a resume or save refused) turned into a refusal."""
     try:
         return function(*args)
-    except (tasks.InputError, checkpoint.CheckpointError) as error:
+    except (rewards.InputError, checkpoint.CheckpointError) as error:
         raise usage_error(str(error)) from None
 
 

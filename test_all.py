@@ -55,6 +55,7 @@ import mtp_matrix
 import mtp_patch
 import mtp_policy_target
 import pipeline
+import rewards
 import rollout
 import run_configs
 import run_log
@@ -2446,7 +2447,7 @@ def _textbook_advantages(rewards, group_size, mode):
     return (centred / (grouped.std(1, keepdim=True) + grpo_loss.ADVANTAGE_EPS)).view(rewards.shape)
 
 
-def test_grpo_loss_equal_non_dyadic_rewards_get_exactly_zero_advantage():
+def test_grpo_loss_a_group_equal_at_a_non_dyadic_reward_gets_exactly_zero_advantage():
     # fp32 rounding made 8 or 16 rewards of 0.7 come out at advantages up to 0.056.
     for group_size in (8, 16):
         for value in (0.7, 0.3, 0.1):
@@ -2492,541 +2493,6 @@ def test_grpo_loss_sequence_level_mask_drops_a_sequence_with_an_infinite_log_rat
 
 
 POLICY_LOSS_ARGS = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0)
-
-
-# ---------------------------------------------------------------------------------------
-# tasks: built-in tasks, data files in ours and verl's layouts, chat prompts
-# ---------------------------------------------------------------------------------------
-
-
-def test_tasks_credits_rewards_and_bad_input(tmp_path):
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
-    torch.testing.assert_close(grpo_loss.group_advantages(rewards, 2, "mean-only"), torch.tensor([0.5, -0.5, 0, 0]))
-    torch.testing.assert_close(grpo_loss.group_advantages(rewards, 2, "leave-one-out"), torch.tensor([1.0, -1.0, 0, 0]))
-    grpo = grpo_loss.group_advantages(rewards, 2, "grpo")
-    assert grpo[0] > 0.7 and grpo[1] < -0.7 and grpo[2:].abs().max() == 0
-    per_position = grpo_loss.group_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), 2, "mean-only")
-    torch.testing.assert_close(per_position, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
-    assert tasks.token_credits([5, 6, 9], [5, 6, 7]) == [1.0, 1.0, 0.0]
-    assert tasks.token_credits([5, 6, 7, 8], [5, 6, 7]) == [1.0, 1.0, 1.0, 0.0]
-    assert tasks.exact_match_reward("3.0", "3") == 1.0 and tasks.exact_match_reward(" yes", "yes") == 1.0
-    assert tasks.exact_match_reward("no", "yes") == 0.0
-    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1]), torch.tensor([3, 2])
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        weights = grpo_loss.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)
-        assert weights[0] == 0 and weights[3] == 0
-    assert grpo_loss.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
-    with pytest.raises(tasks.InputError, match="row 2"):
-        tasks.load_examples(str(bad))
-    with pytest.raises(tasks.InputError, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
-        tasks.check_prompts([{"prompt": "a long prompt", "answer": "a"}, {"prompt": "ok", "answer": "b"}],
-                            SimpleNamespace(encode=lambda text, **_: list(text), decode="".join, chat_template=None,
-                                            name_or_path="characters"), 8, 4)
-
-
-def test_tasks_held_out_prompts_are_never_sampled_for_training():
-    for task, spec in tasks.TASKS.items():
-        training, held_out = tasks.split_examples(None, None, 0, task)
-        sampled = {e["prompt"] for step in range(1, 501) for e in tasks.sample_prompts(training, step, 32, seed=0)}
-        assert sampled == {f"{task}:{symbol}" for symbol in spec["train"]}
-        assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(spec["held_out"])
-    examples = [{"prompt": f"q{i}", "answer": str(i)} for i in range(50)]
-    training, held_out = tasks.split_examples(examples, None, 0, "repeat")
-    assert len(held_out) == 5 and len(training) == 45
-    assert tasks.split_examples(examples, None, 0, "repeat") == (training, held_out)  # fixed by the seed
-    sampled = {e["prompt"] for step in range(1, 501) for e in tasks.sample_prompts(training, step, 32, seed=0)}
-    assert not sampled & {e["prompt"] for e in held_out} and len(sampled) == 45
-    given = [{"prompt": "other", "answer": "1"}]
-    assert tasks.split_examples(examples, given, 0, "repeat") == (examples, given)
-
-
-def test_tasks_count_answers_and_credits_each_digit_that_follows_the_one_before(tiny_checkpoint):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as launch.start loads it
-    assert tasks.task_examples("count", "7", 1) == [{"prompt": "count:7", "answer": "89012345678901234567890123456789"}]
-    assert tasks.task_examples("count", "7", 2)[0]["answer"][:6] == "913579"
-    settings = _settings(["--task", "count"])
-    assert (settings.max_new_tokens, settings.lr, settings.builtin_model) == (32, 1e-3, "deep")
-    assert _settings([]).builtin_model == "tiny"
-
-    def credits(prompt, response, step=1):
-        return tasks.count_credits(tokenizer.encode(prompt)[-1], tokenizer.encode(response),
-                                        tasks.digit_successors(tokenizer, step))
-
-    assert credits("count:7", "8901") == [1.0, 1.0, 1.0, 1.0]
-    # A wrong digit loses its own credit only: the next one is judged against it.
-    assert credits("count:7", "8501") == [1.0, 0.0, 0.0, 1.0]
-    assert credits("count:7", "8x90") == [1.0, 0.0, 0.0, 1.0]
-    assert credits("count:9", "0") == [1.0] and credits("count:7", "9135", step=2) == [1.0] * 4
-    assert credits("count:7", "8901", step=2) == [0.0] * 4
-
-    class MergesDigits:  # a tokenizer that does not split digits (pure logic: the check)
-        name_or_path = "merging"
-
-        def encode(self, text, add_special_tokens=True):
-            return [1, 2]
-
-    with pytest.raises(tasks.InputError, match="needs each digit to be one token; merging's tokenizer encodes"):
-        tasks.digit_successors(MergesDigits(), 1)
-
-
-def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case(tiny_checkpoint):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    assert tasks.task_examples("walk", "q") == [{"prompt": "walk:q", "answer": "rstuvwxyz"}]
-    settings = _settings(["--task", "walk"])
-    assert (settings.max_new_tokens, settings.lr, settings.builtin_model, settings.ignore_eos) == (67, 1e-3, "deep", False)
-    assert _settings(["--task", "count"]).ignore_eos and not _settings(["--data", "x.jsonl"]).ignore_eos
-    # The training pool: a start weighs 1 / its answer's length. Response lengths (EOS
-    # included): median 8, a tenth 41 or longer, at most 63; the held-out starts walk 2 to
-    # 47 symbols.
-    training, held_out = tasks.split_examples(None, None, 0, "walk")
-    lengths = sorted(len(example["answer"]) + 1 for example in training)
-    assert (len(lengths), lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]) == (235, 8, 41, 63)
-    assert lengths.count(2) == 62 and lengths.count(63) == 1
-    assert sorted(len(example["answer"]) for example in held_out) == [2, 5, 11, 23, 30, 47]
-    successors, eos = tasks.walk_successors(tokenizer), tokenizer.eos_token_id
-
-    def credits(prompt, response, end=False):
-        ids = tokenizer.encode(response) + ([eos] if end else [])
-        return tasks.walk_credits(tokenizer.encode(prompt)[-1], ids, successors)
-
-    assert credits("walk:v", "wXyZ", end=True) == [1.0] * 5
-    assert credits("walk:8", "9aB") == [1.0] * 3
-    assert credits("walk:!", "#$") == [1.0] * 2 and credits("walk:~", "01") == [1.0] * 2
-    # A wrong symbol loses its own credit only (the one after it is judged against it, as
-    # in count); EOS earns it after "z" alone.
-    assert credits("walk:v", "wyz", end=True) == [1.0, 0.0, 1.0, 1.0]
-    assert credits("walk:v", "wx", end=True) == [1.0, 1.0, 0.0]
-    assert credits("walk:z", "", end=True) == [1.0] and credits("walk:v", "w!x") == [1.0, 0.0, 0.0]
-    score = tasks.credit_function(tokenizer, task="walk")
-    sample = {"prompt_ids": tokenizer.encode("walk:x"), "response_ids": tokenizer.encode("yZ") + [eos]}
-    assert score(sample) == [1.0, 1.0, 1.0]
-
-
-def test_tasks_tail_is_long_tailed_and_credits_each_token_from_the_two_before(tiny_checkpoint):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    assert tasks.task_examples("tail", ["x7"]) == [{"prompt": "tail:x7", "answer": "x8x9" + "".join(
-        tasks.TAIL_CHAIN[tasks.TAIL_CHAIN.index("y0"):])}]
-    settings = _settings(["--task", "tail"])
-    assert (settings.max_new_tokens, settings.builtin_model, settings.ignore_eos) == (263, "deep", False)
-    # The training pool's answer lengths (EOS included) are lognormal-like: median 9, the
-    # longest over 15 times that, the longest tenth holding over 35% of the tokens.
-    training, held_out = tasks.split_examples(None, None, 0, "tail")
-    lengths = sorted(len(example["answer"]) + 1 for example in training)
-    top_tenth = lengths[int(0.9 * len(lengths)):]
-    assert (len(lengths), lengths[len(lengths) // 2], lengths[-1]) == (1000, 9, 157)
-    assert sum(top_tenth) / sum(lengths) > 0.35 and lengths[-1] / lengths[len(lengths) // 2] >= 15
-    assert sorted(len(example["answer"]) + 1 for example in held_out) == [7, 11, 17, 27, 43, 69, 111, 179]
-    assert not {example["prompt"] for example in held_out} & {example["prompt"] for example in training}
-    successors, eos = tasks.tail_successors(tokenizer), tokenizer.eos_token_id
-
-    def credits(prompt, response, end=False):
-        ids = tokenizer.encode(response) + ([eos] if end else [])
-        return tasks.tail_credits(tokenizer.encode(prompt), ids, successors)
-
-    assert credits("tail:x7", "x8X9y0Y1") == [1.0] * 8
-    assert credits("tail:y8", "y9Z0z1z2z3z4z5z6z7z8z9", end=True) == [1.0] * 23
-    # A wrong token loses its own credit; the next is judged against the two before it.
-    assert credits("tail:y9", "z1z2") == [1.0, 0.0, 1.0, 1.0]
-    assert credits("tail:y8", "y9z0", end=True) == [1.0] * 4 + [0.0]
-    assert credits("tail:z8", "z9a", end=True) == [1.0, 1.0, 0.0, 0.0]
-    score = tasks.credit_function(tokenizer, task="tail")
-    sample = {"prompt_ids": tokenizer.encode("tail:z7"), "response_ids": tokenizer.encode("Z8z9") + [eos]}
-    assert score(sample) == [1.0] * 5
-
-
-def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
-    def refusal(path, **keys):
-        with pytest.raises(tasks.InputError) as refused:
-            tasks.load_examples(str(path), **keys)
-        return str(refused.value)
-
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n")
-    assert refusal(empty) == f"--data {empty}: no examples"
-    latin = tmp_path / "latin.jsonl"
-    latin.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "caf\xe9", "answer": "c"}\n')
-    assert refusal(latin) == (f"--data {latin}: row 2 is not UTF-8 text (byte 0xe9 at column 16); expected UTF-8 "
-                              "JSON lines")
-    blank = tmp_path / "blank.jsonl"
-    blank.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "  ", "answer": "c"}\n')
-    assert refusal(blank) == f"--data {blank}: row 2: 'prompt' is empty; expected a prompt with some text"
-    silent_chat = tmp_path / "silent_chat.jsonl"
-    silent_chat.write_text(json.dumps({"prompt": [{"role": "user", "content": ""}], "answer": "c"}) + "\n")
-    assert refusal(silent_chat).endswith("row 1: 'prompt' is empty; expected a prompt with some text")
-    null = tmp_path / "null.jsonl"
-    null.write_text('{"prompt": "a", "answer": null}\n')
-    assert refusal(null) == f"--data {null}: row 1: 'answer' is null; expected a string or a number as the answer"
-    # A reward's value: a number (numpy's too) is taken; a bool, None or a string is not.
-    path = tmp_path / "values.py"
-    path.write_text("import numpy\n"
-                    "def numpy_half(prompt, response, answer):\n    return numpy.float32(0.5)\n"
-                    "def a_bool(prompt, response, answer):\n    return response == answer\n"
-                    "def nothing(prompt, response, answer):\n    pass\n"
-                    "def text(prompt, response, answer):\n    return '1.0'\n"
-                    "def needs_digits(prompt, response, answer):\n    return float(response)\n")
-    sample = {"example": {"prompt": "p", "answer": "x"}, "text": "x", "response_ids": [7]}
-    assert tasks.credit_function(None, reward_spec=f"{path}:numpy_half")(sample) == [0.5]
-    for name, shown in (("a_bool", "True (bool)"), ("nothing", "None (NoneType)"), ("text", "'1.0' (str)")):
-        with pytest.raises(tasks.InputError, match=re.escape(f"returned {shown}; expected a finite float")):
-            tasks.credit_function(None, reward_spec=f"{path}:{name}")(sample)
-        # ... and before any work: tried once on the first example, its answer as the response.
-        with pytest.raises(tasks.InputError, match=re.escape(f"returned {shown}")):
-            tasks.try_reward(f"{path}:{name}", {"prompt": "p", "answer": "x"})
-    with pytest.raises(tasks.InputError, match="tried before any work\\) raised ValueError: could not convert"):
-        tasks.try_reward(f"{path}:needs_digits", {"prompt": "p", "answer": "x"})
-    tasks.try_reward(f"{path}:numpy_half", {"prompt": "p", "answer": "x"})
-
-
-def test_tasks_reward_call_is_bounded_in_time_and_says_every_way_it_ends():
-    def slow(*_):
-        time.sleep(30)
-
-    def exits(*_):
-        sys.exit(3)
-    assert tasks.call_reward(lambda *args: sum(args), (1, 2, 3), "here", timeout_s=5) == 6
-    started = time.monotonic()
-    with pytest.raises(tasks.InputError, match=r"^here did not return within --reward-timeout 0\.2 s; stopped"):
-        tasks.call_reward(slow, (), "here", timeout_s=0.2)
-    assert time.monotonic() - started < 10
-    # SystemExit in a reward is said like any exception, with or without the time limit.
-    for timeout_s in (5, None):
-        with pytest.raises(tasks.InputError, match=r"^here raised SystemExit: 3; stopped before the weights"):
-            tasks.call_reward(exits, (), "here", timeout_s=timeout_s)
-    # A stop signal while a reward runs ends the wait: the run can stop with a checkpoint.
-    signalled = time.monotonic() + 0.2
-    with pytest.raises(tasks.RewardInterrupted, match="^here: a stop signal arrived while it ran"):
-        tasks.call_reward(slow, (), "here", timeout_s=0, interrupted=lambda: time.monotonic() > signalled)
-    assert time.monotonic() - started < 20
-
-
-def test_tasks_data_file_edge_cases_text_parquet_nan_answer_bom_and_infinite_answers(tmp_path):
-    # A .parquet that is really JSON lines: refused naming the flag and the file, no pyarrow traceback.
-    text = tmp_path / "train.parquet"
-    text.write_text('{"prompt": "a", "answer": "b"}\n')
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.load_examples(str(text), flag="--eval-data")
-    assert str(refused.value).startswith(f"--eval-data {text}: not a Parquet file pyarrow can read (")
-    # "answer": NaN (JSON's NaN, or a float NaN in a Parquet column) matches no response.
-    nan = tmp_path / "nan.jsonl"
-    nan.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "a", "answer": NaN}\n')
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.load_examples(str(nan))
-    assert str(refused.value) == (f"--data {nan}: row 2: 'answer' is NaN, which no response can equal; expected a "
-                                  "string or a number")
-    nan_column = _write_parquet(tmp_path / "nan.parquet", [{"prompt": "a", "answer": 1.5},
-                                                           {"prompt": "b", "answer": float("nan")}])
-    with pytest.raises(tasks.InputError, match="nan.parquet: row 2: 'answer' is NaN"):
-        tasks.load_examples(nan_column)
-    # A JSONL file saved as "UTF-8 with BOM" is read.
-    bom = tmp_path / "bom.jsonl"
-    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "b"}\n')
-    assert [(e["prompt"], e["answer"]) for e in tasks.load_examples(str(bom))] == [("a", "b")]
-    # Equal infinities match numerically; NaN matches nothing.
-    assert tasks.exact_match_reward("inf", "inf") == 1.0
-    assert tasks.exact_match_reward(" -Infinity", "-inf") == 1.0
-    assert tasks.exact_match_reward("inf", "-inf") == tasks.exact_match_reward("nan", "nan") == 0.0
-    assert tasks.exact_match_reward("4.0000001", "4") == 1.0
-
-
-def test_tasks_eval_data_in_the_other_layout_is_refused_naming_both_files(tmp_path):
-    ours = tmp_path / "ours.jsonl"
-    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n')
-    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
-    training, held_out = tasks.load_examples(verl), tasks.load_examples(str(ours), flag="--eval-data")
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.split_examples(training, held_out, 0, "repeat")
-    assert str(refused.value) == (f"--data {verl} has prompts as chat messages (templated) but --eval-data {ours} "
-                                  "as strings (not templated); expected both in one layout (ours: \"prompt\" a "
-                                  "string; verl's: a list of {role, content} messages)")
-    with pytest.raises(tasks.InputError, match=f"--data {ours} has prompts as strings .* but --eval-data {verl} as"):
-        tasks.split_examples(tasks.load_examples(str(ours)), tasks.load_examples(verl, flag="--eval-data"), 0, None)
-    assert tasks.split_examples(training, training[:1], 0, "repeat") == (training, training[:1])
-
-
-def test_tasks_prompts_checked_once_empty_encodings_refused_dropped_characters_named(tiny_checkpoint, tmp_path,
-                                                                                     capsys):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in (
-        {"prompt": "repeat:a", "answer": "aaa"}, {"prompt": "héllo 😀 世界", "answer": "hllo"},
-        {"prompt": "repeat:b", "answer": "é"}, {"prompt": "😀 世界", "answer": "x"})))
-    examples = tasks.load_examples(str(data))
-    # The built-in tokenizer has no token for 😀 or 世界: the fourth prompt encodes to nothing,
-    # which vLLM would refuse when that row is first sampled.
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.check_prompts(examples, tokenizer, 1024, 3)
-    assert str(refused.value) == (f"--data {data}: row 4: the prompt '😀 世界' encodes to no token with "
-                                  f"{tiny_checkpoint}'s tokenizer; expected text in its vocabulary")
-    capsys.readouterr()
-    # Dropped characters of a prompt, and an answer no response can hold: one warning each.
-    tasks.check_prompts(examples[:3], tokenizer, 1024, 3)
-    assert capsys.readouterr().err.splitlines() == [
-        f"train_grpo.py: warning: 1 prompt(s) hold characters that {tiny_checkpoint}'s tokenizer drops (the policy "
-        f"never sees them); first: --data {data}: row 2, 'é世界😀' in 'héllo 😀 世界'",
-        f"train_grpo.py: warning: 1 answer(s) hold characters that {tiny_checkpoint}'s tokenizer can never produce "
-        f"(no response can match them exactly); first: --data {data}: row 3, 'é' in 'é'"]
-    # Whitespace the built-in tokenizer drops is a documented limit, not warned about.
-    tasks.check_prompts([{"prompt": "2 + 2 =", "answer": "4 0"}], tokenizer, 1024, 3)
-    assert capsys.readouterr().err == ""
-
-
-def test_tasks_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
-    path = tmp_path / "rewards.py"
-    path.write_text(REWARD_FILE)
-    assert tasks.load_reward_function(f"{path}:letter_a")("p", "aab", "x") == pytest.approx(2 / 3)
-    broken = tmp_path / "broken.py"
-    broken.write_text("import no_such_module\n")
-    expected = {f"{tmp_path}/missing.py:f": "no such file",
-                f"{path}:absent": "has no function 'absent'",
-                f"{path}:one_argument": "one_argument(response) cannot be called as one_argument(prompt, response, answer)",
-                f"{broken}:f": "does not import (ModuleNotFoundError",
-                str(path): "expected FILE.py:FUNCTION"}
-    for spec, message in expected.items():
-        problems = flags.flag_problems(flags.parse_args(["--reward", spec]), world_size=2)
-        assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
-    # At step time (every rank scores every sample, before the optimizer step).
-    sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
-    for name, said in (("raises", "raised ValueError: no answer here"), ("not_finite", "returned nan")):
-        with pytest.raises(tasks.InputError) as stopped:
-            tasks.credit_function(None, reward_spec=f"{path}:{name}")(sample)
-        message = str(stopped.value)
-        assert said in message and "prompt 'repeat:a', response 'abc'" in message and "before the weights" in message
-    per_token = tasks.credit_function(None, reward_spec=f"{path}:per_token")
-    assert per_token(sample) == [1.0, 0.0, 0.0]
-    sample["response_ids"] = [1, 2]
-    with pytest.raises(tasks.InputError, match="returned 3 per-token rewards for 2 response tokens"):
-        per_token(sample)
-
-
-def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
-    ours = tmp_path / "ours.jsonl"
-    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
-    assert tasks.load_examples(str(ours)) == [
-        {"prompt": "repeat:a", "answer": "aaa", "source": f"--data {ours}", "row": 1},
-        {"prompt": "2+2=", "answer": "4", "source": f"--data {ours}", "row": 3}]
-    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
-    assert tasks.load_examples(verl) == [
-        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa", "source": f"--data {verl}", "row": 1},
-        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb", "source": f"--data {verl}", "row": 2}]
-    # Other layouts: a column and a dotted path into a nested field.
-    custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
-    assert tasks.load_examples(custom, "question", "meta.solution") == [
-        {"prompt": "1+1=", "answer": "2", "source": f"--data {custom}", "row": 1}]
-    # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
-    missing = tmp_path / "missing.jsonl"
-    missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.load_examples(str(missing))
-    assert str(refused.value) == (f"--data {missing}: row 3 has no key 'answer' nor "
-                                  "'reward_model.ground_truth' (--answer-key)")
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.load_examples(verl, prompt_key="question")
-    # Every bad row is named, each with its file.
-    assert str(refused.value).split("\n  ") == [f"--data {verl}: 2 bad rows:"] + [
-        f"--data {verl}: row {row} has no key 'question' (--prompt-key)" for row in (1, 2)]
-    with pytest.raises(tasks.InputError) as refused:
-        tasks.load_examples(custom, "question", "meta.answer")
-    assert str(refused.value) == f"--data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
-    not_chat = _write_parquet(tmp_path / "not_chat.parquet", [{"prompt": [{"text": "hi"}], "answer": "a"}])
-    with pytest.raises(tasks.InputError, match="row 1: 'prompt' is .*expected a string or a list of {role, content}"):
-        tasks.load_examples(not_chat)
-    # Flags: the extension and the keys are checked before any work.
-    table = tmp_path / "table.csv"
-    table.write_text("prompt,answer\n")
-    assert flags.flag_problems(flags.parse_args(["--data", str(table)]), 2) == [
-        f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
-    assert flags.flag_problems(flags.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
-        "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
-    assert flags.flag_problems(flags.parse_args(["--prompt-key", "question"]), 2) == [
-        "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
-    assert flags.flag_problems(flags.parse_args(["--data", verl, "--prompt-key", "prompt",
-                                                           "--answer-key", "reward_model.ground_truth"]), 2) == []
-
-
-def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_checkpoint):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    messages = [{"role": "system", "content": "copy"}, {"role": "user", "content": "repeat:a"}]
-    templated = _chat_ids("<|system|>copy<|user|>repeat:a<|assistant|>")
-    assert tasks.prompt_token_ids(tokenizer, messages) == templated
-    # A string prompt: the ids vLLM got for it before prompts were tokenised here.
-    assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
-    # The length check counts the templated tokens, and the longest prompt's are returned.
-    example = {"prompt": messages, "answer": "aaa"}
-    assert tasks.check_prompts([example, {"prompt": "ab", "answer": "a"}], tokenizer, max_len=len(templated) + 3,
-                               max_new_tokens=3) == len(templated)
-    with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
-        tasks.check_prompts([example], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
-    tokenizer.chat_template = None
-    with pytest.raises(tasks.InputError, match="chat-message prompts but .* has no chat template"):
-        tasks.check_prompts([example], tokenizer, max_len=1024, max_new_tokens=3)
-
-
-GSM8K_SAMPLE = os.path.join(REPO_DIR, "gsm8k_sample.jsonl")
-
-
-# The worst a pathological response may cost in the main thread: two parses and four
-# comparisons at math-verify's limits, plus slack for a loaded 2-core machine.
-MATH_WORST_CASE_S = 2 * tasks.MATH_PARSE_TIMEOUT_S + 4 * tasks.MATH_VERIFY_TIMEOUT_S + 10
-
-
-POWER_TOWER = r"\boxed{9^{9^{9^{9}}}}"  # sympy would evaluate this for ever: math-verify's timeout stops it
-
-
-GSM8K_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-                  "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
-
-
-MATH_SOLUTION = (r"The sides are $1$ and $1$, so the diagonal is $\sqrt{1^2 + 1^2} = \boxed{\sqrt{2}}$.")
-
-
-def test_tasks_math_reward_reads_gsm8k_answers_and_responses():
-    for response in ("#### 72", "72", "The answer is 72.", "They sold 24 + 48 = 72 clips.\n#### 72",
-                     "#### 72\n\nQuestion: Tom has 5 apples. How many does he have?", "#### 72.0"):
-        assert tasks.math_reward(response, GSM8K_SOLUTION) == 1.0, response
-    assert tasks.math_reward("72", "72") == 1.0 and tasks.math_reward("#### 72", "72") == 1.0
-    # Thousands separators on either side; GSM8K writes its answers without them, models often with.
-    assert tasks.math_reward("1,000", "1000") == 1.0
-    assert tasks.math_reward("#### 1000", "It costs 1,000.\n#### 1,000") == 1.0
-    assert tasks.math_reward("The answer is 1,000.", "#### 1000") == 1.0
-    # Wrong answers, including the question's own numbers and an answer followed by another.
-    for response in ("#### 73", "The answer is 24.", "48", "#### 7\n72"):
-        assert tasks.math_reward(response, GSM8K_SOLUTION) == 0.0, response
-
-
-def test_tasks_math_reward_compares_math_answers_as_mathematics():
-    half = r"\boxed{\frac{1}{2}}"
-    for answer in ("0.5", "1/2", r"\frac{1}{2}", half, r"\dfrac{1}{2}"):
-        assert tasks.math_reward(half, answer) == 1.0, answer
-        assert tasks.math_reward(f"So the probability is {half}.", answer) == 1.0, answer
-    assert tasks.math_reward("The answer is 1/2.", r"\frac{1}{2}") == 1.0
-    assert tasks.math_reward("3/4", r"\frac{3}{4}") == 1.0 and tasks.math_reward(r"$\frac34$", "3/4") == 1.0
-    for answer in (r"\sqrt{2}", r"\boxed{\sqrt{2}}", MATH_SOLUTION):
-        assert tasks.math_reward(r"\boxed{\sqrt{2}}", answer) == 1.0, answer
-        assert tasks.math_reward(r"\boxed{2^{1/2}}", answer) == 1.0, answer
-    for wrong in (r"\boxed{\sqrt{3}}", r"\boxed{2}", r"\boxed{\frac{1}{3}}"):
-        assert tasks.math_reward(wrong, MATH_SOLUTION) == 0.0, wrong
-    assert tasks.math_reward(r"\boxed{\frac{1}{3}}", "0.5") == 0.0
-
-
-def test_tasks_math_reward_scores_unparseable_text_zero_and_never_raises():
-    for response in ("", "I do not know.", r"\boxed{", r"\frac{", "####", "}}}{{{", "\x00\xff"):
-        score = tasks.math_reward(response, GSM8K_SOLUTION)
-        assert type(score) is float and score == 0.0, response
-    for answer in ("", "no number here", r"\boxed{}"):  # a gold answer math-verify cannot parse
-        assert tasks.math_reward("72", answer) == 0.0, answer
-    started = time.perf_counter()
-    assert tasks.math_reward(POWER_TOWER, GSM8K_SOLUTION) == 0.0
-    assert time.perf_counter() - started < MATH_WORST_CASE_S
-
-
-@pytest.fixture
-def fresh_math_worker():
-    """No worker process before the test, none left after it."""
-    def stop_worker():
-        if tasks._math_pool is not None:
-            tasks._math_pool.terminate()
-            tasks._math_pool = None
-    stop_worker()
-    yield
-    stop_worker()
-
-
-def in_thread(function, *args):
-    """function(*args)'s value and wall seconds, called from a thread that is not the main one."""
-    result = {}
-
-    def call():
-        started = time.perf_counter()
-        result["value"] = function(*args)
-        result["seconds"] = time.perf_counter() - started
-    thread = threading.Thread(target=call)
-    thread.start()
-    thread.join()
-    return result["value"], result["seconds"]
-
-
-def test_tasks_math_reward_off_the_main_thread_scores_in_a_worker_and_is_cut_off(fresh_math_worker, monkeypatch):
-    # Off the main thread math-verify's signal timeouts would raise; the worker process runs them instead.
-    assert in_thread(tasks.math_reward, "#### 72", GSM8K_SOLUTION)[0] == 1.0
-    assert in_thread(tasks.math_reward, r"\boxed{0.5}", r"\frac{1}{2}")[0] == 1.0
-    assert in_thread(tasks.math_reward, "#### 73", GSM8K_SOLUTION)[0] == 0.0
-    worker = tasks._math_pool
-    score, seconds = in_thread(tasks.math_reward, POWER_TOWER, GSM8K_SOLUTION)
-    assert score == 0.0 and seconds < MATH_WORST_CASE_S and tasks._math_pool is worker  # its own timeout
-    # A worker past the deadline is killed, the call scores 0, and the next call gets a fresh worker.
-    monkeypatch.setattr(tasks, "MATH_WORKER_DEADLINE_S", 1)
-    score, seconds = in_thread(tasks.math_reward, POWER_TOWER, GSM8K_SOLUTION)
-    assert score == 0.0 and seconds < 1 + 5 and tasks._math_pool is None
-    assert in_thread(tasks.math_reward, "1/2", "0.5")[0] == 1.0 and tasks._math_pool not in (None, worker)
-
-
-def gsm8k_samples():
-    """The sample rows as the trainer scores them: {example, prompt_ids, response_ids, text}."""
-    return [{"example": example, "prompt_ids": [1, 2, 3], "response_ids": [4, 5], "text": ""}
-            for example in tasks.load_examples(GSM8K_SAMPLE)]
-
-
-def test_tasks_gsm8k_sample_rows_are_gsm8k_style_and_score_their_own_answers():
-    examples = tasks.load_examples(GSM8K_SAMPLE)
-    assert len(examples) >= 20 and len({e["prompt"] for e in examples}) == len(examples)
-    for example in examples:
-        reasoning, mark, number = example["answer"].rpartition(tasks.GSM8K_ANSWER_MARK)
-        assert mark and reasoning.strip() and number.strip().isdigit(), example
-        assert tasks.math_reward(number.strip(), example["answer"]) == 1.0, example
-        assert tasks.math_reward(example["answer"], example["answer"]) == 1.0, example
-        assert tasks.math_reward(f"#### {int(number) + 1}", example["answer"]) == 0.0, example
-
-
-def test_tasks_math_spec_goes_through_credit_function_end_to_end():
-    credit = tasks.credit_function(None, task=None, reward_spec=tasks.MATH_REWARD)  # no tokenizer needed
-    for sample in gsm8k_samples():
-        number = sample["example"]["answer"].rpartition(tasks.GSM8K_ANSWER_MARK)[2].strip()
-        sample["text"] = f"Let me think step by step.\n#### {number}"
-        assert credit(sample) == [1.0], sample
-        sample["text"] = f"The answer is {int(number) + 2}."
-        assert credit(sample) == [0.0], sample
-        sample["text"] = "I cannot solve this."
-        assert credit(sample) == [0.0], sample
-
-
-def test_tasks_math_spec_is_checked_before_any_work(monkeypatch):
-    reward = tasks.load_reward_function(tasks.MATH_REWARD)
-    assert reward("What is 3 + 4?", "#### 7", "3 + 4 = 7\n#### 7") == 1.0
-    for example in tasks.load_examples(GSM8K_SAMPLE):
-        tasks.try_reward(tasks.MATH_REWARD, example)
-    tasks.try_reward(tasks.MATH_REWARD, {"prompt": "Diagonal of a unit square?", "answer": MATH_SOLUTION})
-    with pytest.raises(tasks.InputError, match=r"--reward math on prompt 'q'.*finds no answer in 'seventy-two' "
-                                               r"equal to itself; expected an answer it parses"):
-        tasks.try_reward(tasks.MATH_REWARD, {"prompt": "q", "answer": "seventy-two"})
-    with pytest.raises(tasks.InputError, match="expected FILE.py:FUNCTION or math"):
-        tasks.load_reward_function("maths")
-    real_find_spec = tasks.importlib.util.find_spec
-    monkeypatch.setattr(tasks.importlib.util, "find_spec",
-                        lambda name, *rest: None if name == "math_verify" else real_find_spec(name, *rest))
-    with pytest.raises(tasks.InputError, match=r"--reward math: the math-verify package is not installed; "
-                                               r"expected it importable \(pip install math-verify==0.9.0\)"):
-        tasks.load_reward_function(tasks.MATH_REWARD)
-
-
-def test_tasks_and_logging_import_without_math_verify_and_wandb(tmp_path):
-    # Blocked imports (a None in sys.modules): both modules import, and only asking for them fails.
-    script = ("import sys; sys.modules['math_verify'] = sys.modules['wandb'] = None\n"
-              "import run_log, tasks\n"
-              "assert run_log.open_wandb(sys.argv[1], None, {}, 0) is None\n"
-              "exact = tasks.credit_function(None, reward_spec=None)\n"
-              "assert exact({'text': '7', 'example': {'answer': '7'}}) == [1.0]\n"
-              "try:\n    tasks.load_reward_function('math')\nexcept tasks.InputError as error:\n    print(error)\n")
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_DIR, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "--reward math: the math-verify package is not installed" in result.stdout
 
 
 # ---------------------------------------------------------------------------------------
@@ -3420,6 +2886,547 @@ def test_run_log_wandb_offline_run_holds_tensorboards_metrics_at_the_same_steps(
     fresh = run_log.open_wandb(out, "grpo-test", config, start_step=0)
     fresh.finish()
     assert resumed.id == wandb_run.id and fresh.id != wandb_run.id
+
+
+# ---------------------------------------------------------------------------------------
+# rewards: the scoring of a response against its example: exact match, --reward math, --reward FILE.py:FUNCTION
+# ---------------------------------------------------------------------------------------
+
+
+def test_rewards_reward_call_is_bounded_in_time_and_says_every_way_it_ends():
+    def slow(*_):
+        time.sleep(30)
+
+    def exits(*_):
+        sys.exit(3)
+    assert rewards.call_reward(lambda *args: sum(args), (1, 2, 3), "here", timeout_s=5) == 6
+    started = time.monotonic()
+    with pytest.raises(rewards.InputError, match=r"^here did not return within --reward-timeout 0\.2 s; stopped"):
+        rewards.call_reward(slow, (), "here", timeout_s=0.2)
+    assert time.monotonic() - started < 10
+    # SystemExit in a reward is said like any exception, with or without the time limit.
+    for timeout_s in (5, None):
+        with pytest.raises(rewards.InputError, match=r"^here raised SystemExit: 3; stopped before the weights"):
+            rewards.call_reward(exits, (), "here", timeout_s=timeout_s)
+    # A stop signal while a reward runs ends the wait: the run can stop with a checkpoint.
+    signalled = time.monotonic() + 0.2
+    with pytest.raises(rewards.RewardInterrupted, match="^here: a stop signal arrived while it ran"):
+        rewards.call_reward(slow, (), "here", timeout_s=0, interrupted=lambda: time.monotonic() > signalled)
+    assert time.monotonic() - started < 20
+
+
+def test_rewards_user_reward_is_checked_before_any_work_and_stops_on_bad_values(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARD_FILE)
+    assert rewards.load_reward_function(f"{path}:letter_a")("p", "aab", "x") == pytest.approx(2 / 3)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module\n")
+    expected = {f"{tmp_path}/missing.py:f": "no such file",
+                f"{path}:absent": "has no function 'absent'",
+                f"{path}:one_argument": "one_argument(response) cannot be called as one_argument(prompt, response, answer)",
+                f"{broken}:f": "does not import (ModuleNotFoundError",
+                str(path): "expected FILE.py:FUNCTION"}
+    for spec, message in expected.items():
+        problems = flags.flag_problems(flags.parse_args(["--reward", spec]), world_size=2)
+        assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
+    # At step time (every rank scores every sample, before the optimizer step).
+    sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
+    for name, said in (("raises", "raised ValueError: no answer here"), ("not_finite", "returned nan")):
+        with pytest.raises(rewards.InputError) as stopped:
+            tasks.credit_function(None, reward_spec=f"{path}:{name}")(sample)
+        message = str(stopped.value)
+        assert said in message and "prompt 'repeat:a', response 'abc'" in message and "before the weights" in message
+    per_token = tasks.credit_function(None, reward_spec=f"{path}:per_token")
+    assert per_token(sample) == [1.0, 0.0, 0.0]
+    sample["response_ids"] = [1, 2]
+    with pytest.raises(rewards.InputError, match="returned 3 per-token rewards for 2 response tokens"):
+        per_token(sample)
+
+
+GSM8K_SAMPLE = os.path.join(REPO_DIR, "gsm8k_sample.jsonl")
+
+
+# The worst a pathological response may cost in the main thread: two parses and four
+# comparisons at math-verify's limits, plus slack for a loaded 2-core machine.
+MATH_WORST_CASE_S = 2 * rewards.MATH_PARSE_TIMEOUT_S + 4 * rewards.MATH_VERIFY_TIMEOUT_S + 10
+
+
+POWER_TOWER = r"\boxed{9^{9^{9^{9}}}}"  # sympy would evaluate this for ever: math-verify's timeout stops it
+
+
+GSM8K_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                  "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+MATH_SOLUTION = (r"The sides are $1$ and $1$, so the diagonal is $\sqrt{1^2 + 1^2} = \boxed{\sqrt{2}}$.")
+
+
+def test_rewards_math_reward_reads_gsm8k_answers_and_responses():
+    for response in ("#### 72", "72", "The answer is 72.", "They sold 24 + 48 = 72 clips.\n#### 72",
+                     "#### 72\n\nQuestion: Tom has 5 apples. How many does he have?", "#### 72.0"):
+        assert rewards.math_reward(response, GSM8K_SOLUTION) == 1.0, response
+    assert rewards.math_reward("72", "72") == 1.0 and rewards.math_reward("#### 72", "72") == 1.0
+    # Thousands separators on either side; GSM8K writes its answers without them, models often with.
+    assert rewards.math_reward("1,000", "1000") == 1.0
+    assert rewards.math_reward("#### 1000", "It costs 1,000.\n#### 1,000") == 1.0
+    assert rewards.math_reward("The answer is 1,000.", "#### 1000") == 1.0
+    # Wrong answers, including the question's own numbers and an answer followed by another.
+    for response in ("#### 73", "The answer is 24.", "48", "#### 7\n72"):
+        assert rewards.math_reward(response, GSM8K_SOLUTION) == 0.0, response
+
+
+def test_rewards_math_reward_compares_math_answers_as_mathematics():
+    half = r"\boxed{\frac{1}{2}}"
+    for answer in ("0.5", "1/2", r"\frac{1}{2}", half, r"\dfrac{1}{2}"):
+        assert rewards.math_reward(half, answer) == 1.0, answer
+        assert rewards.math_reward(f"So the probability is {half}.", answer) == 1.0, answer
+    assert rewards.math_reward("The answer is 1/2.", r"\frac{1}{2}") == 1.0
+    assert rewards.math_reward("3/4", r"\frac{3}{4}") == 1.0 and rewards.math_reward(r"$\frac34$", "3/4") == 1.0
+    for answer in (r"\sqrt{2}", r"\boxed{\sqrt{2}}", MATH_SOLUTION):
+        assert rewards.math_reward(r"\boxed{\sqrt{2}}", answer) == 1.0, answer
+        assert rewards.math_reward(r"\boxed{2^{1/2}}", answer) == 1.0, answer
+    for wrong in (r"\boxed{\sqrt{3}}", r"\boxed{2}", r"\boxed{\frac{1}{3}}"):
+        assert rewards.math_reward(wrong, MATH_SOLUTION) == 0.0, wrong
+    assert rewards.math_reward(r"\boxed{\frac{1}{3}}", "0.5") == 0.0
+
+
+def test_rewards_math_reward_scores_unparseable_text_zero_and_never_raises():
+    for response in ("", "I do not know.", r"\boxed{", r"\frac{", "####", "}}}{{{", "\x00\xff"):
+        score = rewards.math_reward(response, GSM8K_SOLUTION)
+        assert type(score) is float and score == 0.0, response
+    for answer in ("", "no number here", r"\boxed{}"):  # a gold answer math-verify cannot parse
+        assert rewards.math_reward("72", answer) == 0.0, answer
+    started = time.perf_counter()
+    assert rewards.math_reward(POWER_TOWER, GSM8K_SOLUTION) == 0.0
+    assert time.perf_counter() - started < MATH_WORST_CASE_S
+
+
+@pytest.fixture
+def fresh_math_worker():
+    """No worker process before the test, none left after it."""
+    def stop_worker():
+        if rewards._math_pool is not None:
+            rewards._math_pool.terminate()
+            rewards._math_pool = None
+    stop_worker()
+    yield
+    stop_worker()
+
+
+def in_thread(function, *args):
+    """function(*args)'s value and wall seconds, called from a thread that is not the main one."""
+    result = {}
+
+    def call():
+        started = time.perf_counter()
+        result["value"] = function(*args)
+        result["seconds"] = time.perf_counter() - started
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    return result["value"], result["seconds"]
+
+
+def test_rewards_math_reward_off_the_main_thread_scores_in_a_worker_and_is_cut_off(fresh_math_worker, monkeypatch):
+    # Off the main thread math-verify's signal timeouts would raise; the worker process runs them instead.
+    assert in_thread(rewards.math_reward, "#### 72", GSM8K_SOLUTION)[0] == 1.0
+    assert in_thread(rewards.math_reward, r"\boxed{0.5}", r"\frac{1}{2}")[0] == 1.0
+    assert in_thread(rewards.math_reward, "#### 73", GSM8K_SOLUTION)[0] == 0.0
+    worker = rewards._math_pool
+    score, seconds = in_thread(rewards.math_reward, POWER_TOWER, GSM8K_SOLUTION)
+    assert score == 0.0 and seconds < MATH_WORST_CASE_S and rewards._math_pool is worker  # its own timeout
+    # A worker past the deadline is killed, the call scores 0, and the next call gets a fresh worker.
+    monkeypatch.setattr(rewards, "MATH_WORKER_DEADLINE_S", 1)
+    score, seconds = in_thread(rewards.math_reward, POWER_TOWER, GSM8K_SOLUTION)
+    assert score == 0.0 and seconds < 1 + 5 and rewards._math_pool is None
+    assert in_thread(rewards.math_reward, "1/2", "0.5")[0] == 1.0 and rewards._math_pool not in (None, worker)
+
+
+def gsm8k_samples():
+    """The sample rows as the trainer scores them: {example, prompt_ids, response_ids, text}."""
+    return [{"example": example, "prompt_ids": [1, 2, 3], "response_ids": [4, 5], "text": ""}
+            for example in tasks.load_examples(GSM8K_SAMPLE)]
+
+
+def test_rewards_gsm8k_sample_rows_are_gsm8k_style_and_score_their_own_answers():
+    examples = tasks.load_examples(GSM8K_SAMPLE)
+    assert len(examples) >= 20 and len({e["prompt"] for e in examples}) == len(examples)
+    for example in examples:
+        reasoning, mark, number = example["answer"].rpartition(rewards.GSM8K_ANSWER_MARK)
+        assert mark and reasoning.strip() and number.strip().isdigit(), example
+        assert rewards.math_reward(number.strip(), example["answer"]) == 1.0, example
+        assert rewards.math_reward(example["answer"], example["answer"]) == 1.0, example
+        assert rewards.math_reward(f"#### {int(number) + 1}", example["answer"]) == 0.0, example
+
+
+def test_rewards_math_spec_goes_through_credit_function_end_to_end():
+    credit = tasks.credit_function(None, task=None, reward_spec=rewards.MATH_REWARD)  # no tokenizer needed
+    for sample in gsm8k_samples():
+        number = sample["example"]["answer"].rpartition(rewards.GSM8K_ANSWER_MARK)[2].strip()
+        sample["text"] = f"Let me think step by step.\n#### {number}"
+        assert credit(sample) == [1.0], sample
+        sample["text"] = f"The answer is {int(number) + 2}."
+        assert credit(sample) == [0.0], sample
+        sample["text"] = "I cannot solve this."
+        assert credit(sample) == [0.0], sample
+
+
+def test_rewards_math_spec_is_checked_before_any_work(monkeypatch):
+    reward = rewards.load_reward_function(rewards.MATH_REWARD)
+    assert reward("What is 3 + 4?", "#### 7", "3 + 4 = 7\n#### 7") == 1.0
+    for example in tasks.load_examples(GSM8K_SAMPLE):
+        rewards.try_reward(rewards.MATH_REWARD, example)
+    rewards.try_reward(rewards.MATH_REWARD, {"prompt": "Diagonal of a unit square?", "answer": MATH_SOLUTION})
+    with pytest.raises(rewards.InputError, match=r"--reward math on prompt 'q'.*finds no answer in 'seventy-two' "
+                                               r"equal to itself; expected an answer it parses"):
+        rewards.try_reward(rewards.MATH_REWARD, {"prompt": "q", "answer": "seventy-two"})
+    with pytest.raises(rewards.InputError, match="expected FILE.py:FUNCTION or math"):
+        rewards.load_reward_function("maths")
+    real_find_spec = rewards.importlib.util.find_spec
+    monkeypatch.setattr(rewards.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "math_verify" else real_find_spec(name, *rest))
+    with pytest.raises(rewards.InputError, match=r"--reward math: the math-verify package is not installed; "
+                                               r"expected it importable \(pip install math-verify==0.9.0\)"):
+        rewards.load_reward_function(rewards.MATH_REWARD)
+
+
+def test_rewards_and_logging_import_without_math_verify_and_wandb(tmp_path):
+    # Blocked imports (a None in sys.modules): the modules import, and only asking for them fails.
+    script = ("import sys; sys.modules['math_verify'] = sys.modules['wandb'] = None\n"
+              "import rewards, run_log, tasks\n"
+              "assert run_log.open_wandb(sys.argv[1], None, {}, 0) is None\n"
+              "exact = tasks.credit_function(None, reward_spec=None)\n"
+              "assert exact({'text': '7', 'example': {'answer': '7'}}) == [1.0]\n"
+              "try:\n    rewards.load_reward_function('math')\nexcept rewards.InputError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_DIR, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--reward math: the math-verify package is not installed" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# tasks: built-in tasks, data files in ours and verl's layouts, chat prompts
+# ---------------------------------------------------------------------------------------
+
+
+def test_tasks_credits_exact_match_and_bad_input(tmp_path):
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    torch.testing.assert_close(grpo_loss.group_advantages(scores, 2, "mean-only"), torch.tensor([0.5, -0.5, 0, 0]))
+    torch.testing.assert_close(grpo_loss.group_advantages(scores, 2, "leave-one-out"), torch.tensor([1.0, -1.0, 0, 0]))
+    grpo = grpo_loss.group_advantages(scores, 2, "grpo")
+    assert grpo[0] > 0.7 and grpo[1] < -0.7 and grpo[2:].abs().max() == 0
+    per_position = grpo_loss.group_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), 2, "mean-only")
+    torch.testing.assert_close(per_position, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
+    assert tasks.token_credits([5, 6, 9], [5, 6, 7]) == [1.0, 1.0, 0.0]
+    assert tasks.token_credits([5, 6, 7, 8], [5, 6, 7]) == [1.0, 1.0, 1.0, 0.0]
+    assert rewards.exact_match_reward("3.0", "3") == 1.0 and rewards.exact_match_reward(" yes", "yes") == 1.0
+    assert rewards.exact_match_reward("no", "yes") == 0.0
+    mask, seqlens = torch.tensor([0.0, 1, 1, 0, 1]), torch.tensor([3, 2])
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        weights = grpo_loss.token_weights(mask, seqlens, mode, num_sequences=2, num_tokens=3)
+        assert weights[0] == 0 and weights[3] == 0
+    assert grpo_loss.token_weights(mask, seqlens, "seq-mean-token-mean", 2, 3).sum() == pytest.approx(1.0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": 3}\n')
+    with pytest.raises(tasks.InputError, match="row 2"):
+        tasks.load_examples(str(bad))
+    with pytest.raises(tasks.InputError, match="1 prompt\\(s\\) do not fit the context of 8 tokens.*'a long prompt'"):
+        tasks.check_prompts([{"prompt": "a long prompt", "answer": "a"}, {"prompt": "ok", "answer": "b"}],
+                            SimpleNamespace(encode=lambda text, **_: list(text), decode="".join, chat_template=None,
+                                            name_or_path="characters"), 8, 4)
+
+
+def test_tasks_held_out_prompts_are_never_sampled_for_training():
+    for task, spec in tasks.TASKS.items():
+        training, held_out = tasks.split_examples(None, None, 0, task)
+        sampled = {e["prompt"] for step in range(1, 501) for e in tasks.sample_prompts(training, step, 32, seed=0)}
+        # Every start of the pool is drawn (tail's pool holds the starts its lognormal drew).
+        assert sampled == {e["prompt"] for e in training} <= {f"{task}:{symbol}" for symbol in spec["train"]}
+        assert not sampled & {e["prompt"] for e in held_out} and len(held_out) == len(spec["held_out"])
+    examples = [{"prompt": f"q{i}", "answer": str(i)} for i in range(50)]
+    training, held_out = tasks.split_examples(examples, None, 0, "repeat")
+    assert len(held_out) == 5 and len(training) == 45
+    assert tasks.split_examples(examples, None, 0, "repeat") == (training, held_out)  # fixed by the seed
+    sampled = {e["prompt"] for step in range(1, 501) for e in tasks.sample_prompts(training, step, 32, seed=0)}
+    assert not sampled & {e["prompt"] for e in held_out} and len(sampled) == 45
+    given = [{"prompt": "other", "answer": "1"}]
+    assert tasks.split_examples(examples, given, 0, "repeat") == (examples, given)
+
+
+def test_tasks_count_answers_and_credits_each_digit_that_follows_the_one_before(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # as launch.start loads it
+    assert tasks.task_examples("count", "7", 1) == [{"prompt": "count:7", "answer": "89012345678901234567890123456789"}]
+    assert tasks.task_examples("count", "7", 2)[0]["answer"][:6] == "913579"
+    settings = _settings(["--task", "count"])
+    assert (settings.max_new_tokens, settings.lr, settings.builtin_model) == (32, 1e-3, "deep")
+    assert _settings([]).builtin_model == "tiny"
+
+    def credits(prompt, response, step=1):
+        return tasks.count_credits(tokenizer.encode(prompt)[-1], tokenizer.encode(response),
+                                        tasks.digit_successors(tokenizer, step))
+
+    assert credits("count:7", "8901") == [1.0, 1.0, 1.0, 1.0]
+    # A wrong digit loses its own credit only: the next one is judged against it.
+    assert credits("count:7", "8501") == [1.0, 0.0, 0.0, 1.0]
+    assert credits("count:7", "8x90") == [1.0, 0.0, 0.0, 1.0]
+    assert credits("count:9", "0") == [1.0] and credits("count:7", "9135", step=2) == [1.0] * 4
+    assert credits("count:7", "8901", step=2) == [0.0] * 4
+
+    class MergesDigits:  # a tokenizer that does not split digits (pure logic: the check)
+        name_or_path = "merging"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2]
+
+    with pytest.raises(tasks.InputError, match="needs each digit to be one token; merging's tokenizer encodes"):
+        tasks.digit_successors(MergesDigits(), 1)
+
+
+def test_tasks_walk_ends_at_eos_with_long_tailed_lengths_and_credits_either_case(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert tasks.task_examples("walk", "q") == [{"prompt": "walk:q", "answer": "rstuvwxyz"}]
+    settings = _settings(["--task", "walk"])
+    assert (settings.max_new_tokens, settings.lr, settings.builtin_model, settings.ignore_eos) == (67, 1e-3, "deep", False)
+    assert _settings(["--task", "count"]).ignore_eos and not _settings(["--data", "x.jsonl"]).ignore_eos
+    # The training pool: a start weighs 1 / its answer's length. Response lengths (EOS
+    # included): median 8, a tenth 41 or longer, at most 63; the held-out starts walk 2 to
+    # 47 symbols.
+    training, held_out = tasks.split_examples(None, None, 0, "walk")
+    lengths = sorted(len(example["answer"]) + 1 for example in training)
+    assert (len(lengths), lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]) == (235, 8, 41, 63)
+    assert lengths.count(2) == 62 and lengths.count(63) == 1
+    assert sorted(len(example["answer"]) for example in held_out) == [2, 5, 11, 23, 30, 47]
+    successors, eos = tasks.walk_successors(tokenizer), tokenizer.eos_token_id
+
+    def credits(prompt, response, end=False):
+        ids = tokenizer.encode(response) + ([eos] if end else [])
+        return tasks.walk_credits(tokenizer.encode(prompt)[-1], ids, successors)
+
+    assert credits("walk:v", "wXyZ", end=True) == [1.0] * 5
+    assert credits("walk:8", "9aB") == [1.0] * 3
+    assert credits("walk:!", "#$") == [1.0] * 2 and credits("walk:~", "01") == [1.0] * 2
+    # A wrong symbol loses its own credit only (the one after it is judged against it, as
+    # in count); EOS earns it after "z" alone.
+    assert credits("walk:v", "wyz", end=True) == [1.0, 0.0, 1.0, 1.0]
+    assert credits("walk:v", "wx", end=True) == [1.0, 1.0, 0.0]
+    assert credits("walk:z", "", end=True) == [1.0] and credits("walk:v", "w!x") == [1.0, 0.0, 0.0]
+    score = tasks.credit_function(tokenizer, task="walk")
+    sample = {"prompt_ids": tokenizer.encode("walk:x"), "response_ids": tokenizer.encode("yZ") + [eos]}
+    assert score(sample) == [1.0, 1.0, 1.0]
+
+
+def test_tasks_tail_is_long_tailed_and_credits_each_token_from_the_two_before(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert tasks.task_examples("tail", ["x7"]) == [{"prompt": "tail:x7", "answer": "x8x9" + "".join(
+        tasks.TAIL_CHAIN[tasks.TAIL_CHAIN.index("y0"):])}]
+    settings = _settings(["--task", "tail"])
+    assert (settings.max_new_tokens, settings.builtin_model, settings.ignore_eos) == (263, "deep", False)
+    # The training pool's answer lengths (EOS included) are lognormal-like: median 9, the
+    # longest over 15 times that, the longest tenth holding over 35% of the tokens.
+    training, held_out = tasks.split_examples(None, None, 0, "tail")
+    lengths = sorted(len(example["answer"]) + 1 for example in training)
+    top_tenth = lengths[int(0.9 * len(lengths)):]
+    assert (len(lengths), lengths[len(lengths) // 2], lengths[-1]) == (1000, 9, 157)
+    assert sum(top_tenth) / sum(lengths) > 0.35 and lengths[-1] / lengths[len(lengths) // 2] >= 15
+    assert sorted(len(example["answer"]) + 1 for example in held_out) == [7, 11, 17, 27, 43, 69, 111, 179]
+    assert not {example["prompt"] for example in held_out} & {example["prompt"] for example in training}
+    successors, eos = tasks.tail_successors(tokenizer), tokenizer.eos_token_id
+
+    def credits(prompt, response, end=False):
+        ids = tokenizer.encode(response) + ([eos] if end else [])
+        return tasks.tail_credits(tokenizer.encode(prompt), ids, successors)
+
+    assert credits("tail:x7", "x8X9y0Y1") == [1.0] * 8
+    assert credits("tail:y8", "y9Z0z1z2z3z4z5z6z7z8z9", end=True) == [1.0] * 23
+    # A wrong token loses its own credit; the next is judged against the two before it.
+    assert credits("tail:y9", "z1z2") == [1.0, 0.0, 1.0, 1.0]
+    assert credits("tail:y8", "y9z0", end=True) == [1.0] * 4 + [0.0]
+    assert credits("tail:z8", "z9a", end=True) == [1.0, 1.0, 0.0, 0.0]
+    score = tasks.credit_function(tokenizer, task="tail")
+    sample = {"prompt_ids": tokenizer.encode("tail:z7"), "response_ids": tokenizer.encode("Z8z9") + [eos]}
+    assert score(sample) == [1.0] * 5
+
+
+def test_tasks_names_each_bad_input_in_one_line_before_any_work(tmp_path):
+    def refusal(path, **keys):
+        with pytest.raises(tasks.InputError) as refused:
+            tasks.load_examples(str(path), **keys)
+        return str(refused.value)
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert refusal(empty) == f"--data {empty}: no examples"
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "caf\xe9", "answer": "c"}\n')
+    assert refusal(latin) == (f"--data {latin}: row 2 is not UTF-8 text (byte 0xe9 at column 16); expected UTF-8 "
+                              "JSON lines")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "  ", "answer": "c"}\n')
+    assert refusal(blank) == f"--data {blank}: row 2: 'prompt' is empty; expected a prompt with some text"
+    silent_chat = tmp_path / "silent_chat.jsonl"
+    silent_chat.write_text(json.dumps({"prompt": [{"role": "user", "content": ""}], "answer": "c"}) + "\n")
+    assert refusal(silent_chat).endswith("row 1: 'prompt' is empty; expected a prompt with some text")
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"prompt": "a", "answer": null}\n')
+    assert refusal(null) == f"--data {null}: row 1: 'answer' is null; expected a string or a number as the answer"
+    # A reward's value: a number (numpy's too) is taken; a bool, None or a string is not.
+    path = tmp_path / "values.py"
+    path.write_text("import numpy\n"
+                    "def numpy_half(prompt, response, answer):\n    return numpy.float32(0.5)\n"
+                    "def a_bool(prompt, response, answer):\n    return response == answer\n"
+                    "def nothing(prompt, response, answer):\n    pass\n"
+                    "def text(prompt, response, answer):\n    return '1.0'\n"
+                    "def needs_digits(prompt, response, answer):\n    return float(response)\n")
+    sample = {"example": {"prompt": "p", "answer": "x"}, "text": "x", "response_ids": [7]}
+    assert tasks.credit_function(None, reward_spec=f"{path}:numpy_half")(sample) == [0.5]
+    for name, shown in (("a_bool", "True (bool)"), ("nothing", "None (NoneType)"), ("text", "'1.0' (str)")):
+        with pytest.raises(tasks.InputError, match=re.escape(f"returned {shown}; expected a finite float")):
+            tasks.credit_function(None, reward_spec=f"{path}:{name}")(sample)
+        # ... and before any work: tried once on the first example, its answer as the response.
+        with pytest.raises(tasks.InputError, match=re.escape(f"returned {shown}")):
+            rewards.try_reward(f"{path}:{name}", {"prompt": "p", "answer": "x"})
+    with pytest.raises(tasks.InputError, match="tried before any work\\) raised ValueError: could not convert"):
+        rewards.try_reward(f"{path}:needs_digits", {"prompt": "p", "answer": "x"})
+    rewards.try_reward(f"{path}:numpy_half", {"prompt": "p", "answer": "x"})
+
+
+def test_tasks_data_file_edge_cases_text_parquet_nan_answer_bom_and_infinite_answers(tmp_path):
+    # A .parquet that is really JSON lines: refused naming the flag and the file, no pyarrow traceback.
+    text = tmp_path / "train.parquet"
+    text.write_text('{"prompt": "a", "answer": "b"}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(text), flag="--eval-data")
+    assert str(refused.value).startswith(f"--eval-data {text}: not a Parquet file pyarrow can read (")
+    # "answer": NaN (JSON's NaN, or a float NaN in a Parquet column) matches no response.
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "a", "answer": NaN}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(nan))
+    assert str(refused.value) == (f"--data {nan}: row 2: 'answer' is NaN, which no response can equal; expected a "
+                                  "string or a number")
+    nan_column = _write_parquet(tmp_path / "nan.parquet", [{"prompt": "a", "answer": 1.5},
+                                                           {"prompt": "b", "answer": float("nan")}])
+    with pytest.raises(tasks.InputError, match="nan.parquet: row 2: 'answer' is NaN"):
+        tasks.load_examples(nan_column)
+    # A JSONL file saved as "UTF-8 with BOM" is read.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "b"}\n')
+    assert [(e["prompt"], e["answer"]) for e in tasks.load_examples(str(bom))] == [("a", "b")]
+    # Equal infinities match numerically; NaN matches nothing.
+    assert rewards.exact_match_reward("inf", "inf") == 1.0
+    assert rewards.exact_match_reward(" -Infinity", "-inf") == 1.0
+    assert rewards.exact_match_reward("inf", "-inf") == rewards.exact_match_reward("nan", "nan") == 0.0
+    assert rewards.exact_match_reward("4.0000001", "4") == 1.0
+
+
+def test_tasks_eval_data_in_the_other_layout_is_refused_naming_both_files(tmp_path):
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n')
+    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
+    training, held_out = tasks.load_examples(verl), tasks.load_examples(str(ours), flag="--eval-data")
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.split_examples(training, held_out, 0, "repeat")
+    assert str(refused.value) == (f"--data {verl} has prompts as chat messages (templated) but --eval-data {ours} "
+                                  "as strings (not templated); expected both in one layout (ours: \"prompt\" a "
+                                  "string; verl's: a list of {role, content} messages)")
+    with pytest.raises(tasks.InputError, match=f"--data {ours} has prompts as strings .* but --eval-data {verl} as"):
+        tasks.split_examples(tasks.load_examples(str(ours)), tasks.load_examples(verl, flag="--eval-data"), 0, None)
+    assert tasks.split_examples(training, training[:1], 0, "repeat") == (training, training[:1])
+
+
+def test_tasks_prompts_checked_once_empty_encodings_refused_dropped_characters_named(tiny_checkpoint, tmp_path,
+                                                                                     capsys):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"prompt": "repeat:a", "answer": "aaa"}, {"prompt": "héllo 😀 世界", "answer": "hllo"},
+        {"prompt": "repeat:b", "answer": "é"}, {"prompt": "😀 世界", "answer": "x"})))
+    examples = tasks.load_examples(str(data))
+    # The built-in tokenizer has no token for 😀 or 世界: the fourth prompt encodes to nothing,
+    # which vLLM would refuse when that row is first sampled.
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.check_prompts(examples, tokenizer, 1024, 3)
+    assert str(refused.value) == (f"--data {data}: row 4: the prompt '😀 世界' encodes to no token with "
+                                  f"{tiny_checkpoint}'s tokenizer; expected text in its vocabulary")
+    capsys.readouterr()
+    # Dropped characters of a prompt, and an answer no response can hold: one warning each.
+    tasks.check_prompts(examples[:3], tokenizer, 1024, 3)
+    assert capsys.readouterr().err.splitlines() == [
+        f"train_grpo.py: warning: 1 prompt(s) hold characters that {tiny_checkpoint}'s tokenizer drops (the policy "
+        f"never sees them); first: --data {data}: row 2, 'é世界😀' in 'héllo 😀 世界'",
+        f"train_grpo.py: warning: 1 answer(s) hold characters that {tiny_checkpoint}'s tokenizer can never produce "
+        f"(no response can match them exactly); first: --data {data}: row 3, 'é' in 'é'"]
+    # Whitespace the built-in tokenizer drops is a documented limit, not warned about.
+    tasks.check_prompts([{"prompt": "2 + 2 =", "answer": "4 0"}], tokenizer, 1024, 3)
+    assert capsys.readouterr().err == ""
+
+
+def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_rows(tmp_path):
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text('{"prompt": "repeat:a", "answer": "aaa"}\n\n{"prompt": "2+2=", "answer": 4}\n')
+    assert tasks.load_examples(str(ours)) == [
+        {"prompt": "repeat:a", "answer": "aaa", "source": f"--data {ours}", "row": 1},
+        {"prompt": "2+2=", "answer": "4", "source": f"--data {ours}", "row": 3}]
+    verl = _write_parquet(tmp_path / "verl.parquet", _verl_rows(VERL_TASK[:2]))
+    assert tasks.load_examples(verl) == [
+        {"prompt": [{"role": "user", "content": "repeat:a"}], "answer": "aaa", "source": f"--data {verl}", "row": 1},
+        {"prompt": [{"role": "user", "content": "repeat:b"}], "answer": "bbb", "source": f"--data {verl}", "row": 2}]
+    # Other layouts: a column and a dotted path into a nested field.
+    custom = _write_parquet(tmp_path / "custom.parquet", [{"question": "1+1=", "meta": {"solution": 2}}])
+    assert tasks.load_examples(custom, "question", "meta.solution") == [
+        {"prompt": "1+1=", "answer": "2", "source": f"--data {custom}", "row": 1}]
+    # Row numbers are 1-based; a JSONL file's are its line numbers (blank lines counted).
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "c", "reward": "d"}\n')
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(str(missing))
+    assert str(refused.value) == (f"--data {missing}: row 3 has no key 'answer' nor "
+                                  "'reward_model.ground_truth' (--answer-key)")
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(verl, prompt_key="question")
+    # Every bad row is named, each with its file.
+    assert str(refused.value).split("\n  ") == [f"--data {verl}: 2 bad rows:"] + [
+        f"--data {verl}: row {row} has no key 'question' (--prompt-key)" for row in (1, 2)]
+    with pytest.raises(tasks.InputError) as refused:
+        tasks.load_examples(custom, "question", "meta.answer")
+    assert str(refused.value) == f"--data {custom}: row 1 has no key 'meta.answer' (--answer-key)"
+    not_chat = _write_parquet(tmp_path / "not_chat.parquet", [{"prompt": [{"text": "hi"}], "answer": "a"}])
+    with pytest.raises(tasks.InputError, match="row 1: 'prompt' is .*expected a string or a list of {role, content}"):
+        tasks.load_examples(not_chat)
+    # Flags: the extension and the keys are checked before any work.
+    table = tmp_path / "table.csv"
+    table.write_text("prompt,answer\n")
+    assert flags.flag_problems(flags.parse_args(["--data", str(table)]), 2) == [
+        f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
+    assert flags.flag_problems(flags.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
+        "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
+    assert flags.flag_problems(flags.parse_args(["--prompt-key", "question"]), 2) == [
+        "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
+    assert flags.flag_problems(flags.parse_args(["--data", verl, "--prompt-key", "prompt",
+                                                           "--answer-key", "reward_model.ground_truth"]), 2) == []
+
+
+def test_tasks_templates_chat_prompts_and_encodes_strings_as_vllm_does(tiny_checkpoint):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    messages = [{"role": "system", "content": "copy"}, {"role": "user", "content": "repeat:a"}]
+    templated = _chat_ids("<|system|>copy<|user|>repeat:a<|assistant|>")
+    assert tasks.prompt_token_ids(tokenizer, messages) == templated
+    # A string prompt: the ids vLLM got for it before prompts were tokenised here.
+    assert tasks.prompt_token_ids(tokenizer, "repeat:a") == _chat_ids("repeat:a")
+    # The length check counts the templated tokens, and the longest prompt's are returned.
+    example = {"prompt": messages, "answer": "aaa"}
+    assert tasks.check_prompts([example, {"prompt": "ab", "answer": "a"}], tokenizer, max_len=len(templated) + 3,
+                               max_new_tokens=3) == len(templated)
+    with pytest.raises(tasks.InputError, match=f"1 prompt\\(s\\) do not fit the context of {len(templated) + 2} tokens"):
+        tasks.check_prompts([example], tokenizer, max_len=len(templated) + 2, max_new_tokens=3)
+    tokenizer.chat_template = None
+    with pytest.raises(tasks.InputError, match="chat-message prompts but .* has no chat template"):
+        tasks.check_prompts([example], tokenizer, max_len=1024, max_new_tokens=3)
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,11 +16,11 @@ in `main`'s loop:
 Where each concern lives: launch.py (the run before step 1: the checks on every rank, the
 inputs, the process group, policy, engines and checkpoint to resume), flags.py (the command
 line, checked and resolved, and each module's config from it), tasks.py (built-in tasks,
-data files, rewards), rollout.py (vLLM engines), draft_tuner.py (how many tokens to draft),
-grpo_loss.py (advantages, aggregation, PPO loss), trainer.py (the Megatron train step),
-forward.py (Megatron log-probs), vllm_sync.py (Megatron -> vLLM), hf_weights.py
-(Megatron <-> HF), checkpoint.py (save, resume, signals, the --out lock), run_log.py
-(console, metrics.jsonl, TensorBoard, plots).
+data files), rewards.py (exact match, --reward), rollout.py (vLLM engines), draft_tuner.py
+(how many tokens to draft), grpo_loss.py (advantages, aggregation, PPO loss), trainer.py
+(the Megatron train step), forward.py (Megatron log-probs), vllm_sync.py (Megatron -> vLLM),
+hf_weights.py (Megatron <-> HF), checkpoint.py (save, resume, signals, the --out lock),
+run_log.py (console, metrics.jsonl, TensorBoard, plots).
 Metrics: OUT/metrics.jsonl, TensorBoard under OUT/tensorboard, curves.png and
 acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in OUT/final.
 """
@@ -74,6 +74,7 @@ import flags  # noqa: E402
 import grpo_loss  # noqa: E402
 import hf_weights  # noqa: E402
 import launch  # noqa: E402
+import rewards  # noqa: E402
 import rollout  # noqa: E402
 import run_configs  # noqa: E402
 import spec_config  # noqa: E402
@@ -149,7 +150,7 @@ def score(samples, credit, completed, stop=None):
     for index in range(rank, len(samples), world_size):
         try:
             mine[index] = credit(samples[index])
-        except (tasks.InputError, tasks.RewardInterrupted) as error:
+        except (rewards.InputError, rewards.RewardInterrupted) as error:
             failure, signum = f"rank {rank}: {error}", stop.signum if stop is not None else 0
             break
     gathered = [(mine, failure, signum)] * world_size
