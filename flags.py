@@ -42,6 +42,8 @@ from megatron_model import (DEFAULT_MTP_LOSS_SCALING_FACTOR, SUPPORTED_ARCHITECT
 DATA_LR = 3e-4
 # A data file's default response limit: short answers (a number); reasoning needs --max-new-tokens.
 DATA_MAX_NEW_TOKENS = 3
+DATA_STEPS = 150
+DATA_PROMPTS_PER_STEP = 16
 DEFAULT_MAX_POSITIONS = 4096
 # vLLM-CPU's KV cache block in tokens: 128, and 16 for MLA (its decode kernel's only size).
 KV_BLOCK_TOKENS, MLA_KV_BLOCK_TOKENS = 128, 16
@@ -177,7 +179,9 @@ def add_output_flags(p):
 
 
 def add_layout_flags(p):
-    p.add_argument("--steps", type=POSITIVE_INT, default=150, help="training steps (one rollout batch each)")
+    p.add_argument("--steps", type=POSITIVE_INT, default=None,
+                   help="training steps (one rollout batch each); default: the task's (" + ", ".join(
+                       f"{task} {spec['steps']}" for task, spec in tasks.TASKS.items()) + f"), or with --data {DATA_STEPS}")
     p.add_argument("--seed", type=int, default=ROLLOUT.seed, help="seed of data, init and sampling")
     p.add_argument("--tp", type=POSITIVE_INT, default=TRAIN.tp, help="Megatron tensor parallel size")
     p.add_argument("--cp", type=POSITIVE_INT, default=TRAIN.cp, help="Megatron context parallel size")
@@ -197,7 +201,10 @@ def add_layout_flags(p):
                         "fp32 main weights and Adam states (experts: 1/DP of their own data-parallel group) "
                         "(default: on where data-parallel size > 1)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=ROLLOUT.rollout_tp, help="vLLM tensor parallel size")
-    p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=16, help="prompts per data-parallel rank per step")
+    p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=None,
+                   help="prompts per data-parallel rank per step; default: the task's (" + ", ".join(
+                       f"{task} {spec['prompts_per_step']}" for task, spec in tasks.TASKS.items())
+                   + f"), or with --data {DATA_PROMPTS_PER_STEP}")
     p.add_argument("--group-size", type=number(int, at_least=2, why=" (GRPO baselines each completion against the "
                                                                   "others of its prompt)"), default=REWARD.group_size,
                    help="completions per prompt (the GRPO group)")
@@ -351,8 +358,13 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    """The flags as given (None where a default is derived: see `resolve`)."""
-    return build_parser().parse_args(argv)
+    """The flags as given, the task's steps and prompts per step where not given (None where
+    a default is derived from the model: see `resolve`)."""
+    args = build_parser().parse_args(argv)
+    for name, data_default in (("steps", DATA_STEPS), ("prompts_per_step", DATA_PROMPTS_PER_STEP)):
+        if getattr(args, name) is None:
+            setattr(args, name, data_default if args.data else tasks.TASKS[args.task][name])
+    return args
 
 
 def builtin_model(args):
