@@ -1758,16 +1758,17 @@ def _acceptance_statistics(by_depth, drafts=100):
 
 
 def _roll_out_tries(tuner, speeds, tokens):
-    """One rollout per entry of `speeds` ({variant: [tokens/s per band]}) at the variant the
-    tuner names, `tokens[band]` tokens per band; returns those variants ("plain" or a k)."""
+    """One rollout per entry of `speeds` ({variant: [tokens/s per band]}) at the schedule the
+    tuner names, each band at its own k (PLAIN: every band), `tokens[band]` tokens per band;
+    returns those schedules (None: PLAIN)."""
     tried = []
     for speed in speeds:
         schedule = tuner.choose()
-        variant = draft_tuner.PLAIN if schedule is None else schedule[0]
-        assert schedule is None or schedule == [variant] * tuner.num_bands
-        tried.append(variant)
+        tried.append(schedule)
+        band_speeds = [speed[draft_tuner.PLAIN if schedule is None else schedule[band]][band]
+                       for band in range(tuner.num_bands)]
         tuner.record({band: (tokens[band], tokens[band] / band_speed)
-                      for band, band_speed in enumerate(speed[variant]) if band_speed})
+                      for band, band_speed in enumerate(band_speeds) if band_speed})
     return tried
 
 
@@ -1788,25 +1789,35 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
     tuner.observe(_acceptance_statistics([0.9, 0.8, 0.7]))
     assert tuner.tokens_per_step(3) == pytest.approx(3.4) and tuner.is_stale()
     tuner.try_each()
-    assert not tuner.is_stale()
+    assert not tuner.is_stale() and tuner.candidates == [[0, 1]] * 3
     # Bands 0 (the tail: fewest sequences), 1 and 2 (the crowded start). Drafting pays more
     # the fewer sequences share a step; the drafting engine at k = 0 is slower than the
-    # plain one. k = 3's first try in the tail hit a burst of load: each counts its fastest.
+    # plain one. Band 1's second try of k = 1 hit a burst of load: each counts its fastest.
     speeds = {plain: [100, 100, 100], 0: [90, 92, 90], 1: [150, 110, 80], 2: [190, 105, 70], 3: [220, 100, 60]}
-    burst = {**speeds, 3: [120, 100, 60]}
-    tried = _roll_out_tries(tuner, [burst] * 5 + [speeds] * 10, tokens=[100, 300, 300])
-    assert tried == [plain, 0, 1, 2, 3] * 3 and not tuner.exploring()
-    assert tuner.band_speeds(3) == [220, 100, 60] and tuner.band_speeds(plain) == [100, 100, 100]
+    burst = {**speeds, 1: [150, 60, 80]}
+    tried = _roll_out_tries(tuner, [speeds] * 4 + [burst] + [speeds] * 5, tokens=[100, 300, 300])
+    # PLAIN, then k = 0 and 1 everywhere. Band 0 climbs while its deepest k is the fastest
+    # (k = 0, 1 and 2 each dropped once a deeper k is more than 15% faster); band 1 drops
+    # k = 0 (110 against 92) and tries k = 2, 5% slower than k = 1: kept, but k = 3 not
+    # tried; band 2 never tries 2 (k = 1 is 11% slower than k = 0, kept). Once each band
+    # measured its candidates, the bands' 100/220 + 300/110 + 300/90 = 6.5 s against
+    # PLAIN's 7 is too close to call: PLAIN is tried again, 3 times in all; the candidates
+    # left get 3 measurements each, the fewest measured first, where none is left the band's
+    # fastest k: 10 tries, where whole rollouts at each k took 15.
+    assert tried == [None, [0, 0, 0], [1, 1, 1], [2, 2, 0], [3, 1, 1], None, [3, 2, 0], None, [3, 1, 1], [3, 2, 0]]
+    assert not tuner.exploring() and tuner.candidates == [[3], [1, 2], [0, 1]] and tuner.opened == [3, 2, 1]
+    assert tuner.band_speeds(3) == [220, None, None] and tuner.band_speeds(1) == pytest.approx([150, 110, 80])
+    assert tuner.band_speeds(plain) == [100, 100, 100]
     # Per band the fastest k: 3 in the tail, 1 in the middle, none where the batch is
-    # crowded; the bands' time 100/220 + 300/110 + 300/90 = 6.5 s beats the plain engine's 7.
+    # crowded; the bands' 6.5 s beat the plain engine's 7.
     assert tuner.choose() == [3, 1, 0]
     # The same speeds with the crowded start twice as long: 9.8 s against 10, within the
     # margin: the plain engine rolls out.
     crowded = draft_tuner.DraftTuner(max_tokens=3, num_bands=3)
     crowded.observe(_acceptance_statistics([0.9, 0.8, 0.7]))
     crowded.try_each()
-    _roll_out_tries(crowded, [speeds] * 15, tokens=[100, 300, 600])
-    assert crowded.choose() is None
+    _roll_out_tries(crowded, [speeds] * 10, tokens=[100, 300, 600])
+    assert not crowded.exploring() and crowded.choose() is None
     # A rollout at k = 3 finds the draft stale: deeper depths are capped by it; k = 3's
     # 220 in the tail scaled by 1.3 / 3.4 tokens per step and k = 1's 110 by 1.1 / 1.9 fall
     # below k = 0's: no band drafts, the plain engine rolls out, with no new tries (a fall
@@ -1818,18 +1829,24 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
     # beats k = 3's 220 x 2.4 / 3.4 = 155, the middle keeps k = 1 (110 x 1.85 / 1.9 = 107).
     tuner.observe(_acceptance_statistics([0.85, 0.45, 0.1]))
     assert tuner.choose() == [2, 1, 0] and not tuner.is_stale()
-    # A band the tries never ran takes the k of the nearest band they ran.
+    # A band the tries never ran takes the k of the nearest band they ran, and does not hold
+    # the tries up; PLAIN, clearly slower once each band measured k = 0 and 1 (2 s against
+    # 1.6 s), is tried once.
     unseen = draft_tuner.DraftTuner(max_tokens=1, num_bands=3)
     unseen.observe(_acceptance_statistics([0.9]))
     unseen.try_each()
-    _roll_out_tries(unseen, [{plain: [100, 100, None], 0: [90, 90, None], 1: [200, 91, None]}] * 9, [100, 100, 0])
+    tried = _roll_out_tries(unseen, [{plain: [100, 100, None], 0: [90, 90, None], 1: [200, 91, None]}] * 7,
+                            [100, 100, 0])
+    assert tried == [None, [0, 0, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0]]
+    assert not unseen.exploring()
     assert unseen.choose() == [1, 0, 0]
     unseen.try_each()
     with pytest.raises(ValueError, match=r"band_counts\[3\] = \(10, 1.0\): expected a band in 0..2"):
         unseen.record({3: (10, 1.0)})
     with pytest.raises(ValueError, match=r"band_counts\[0\] = \(10, 0.0\)"):
         unseen.record({0: (10, 0.0)})
-    # Mid-try state survives a checkpoint: the restored tuner names the same next variant.
+    assert unseen.tried == []  # a refused measurement keeps nothing
+    # Mid-try state survives a checkpoint: the restored tuner names the same next schedule.
     tuner.observe(_acceptance_statistics([1.0, 1.0, 1.0]))
     tuner.try_each()
     _roll_out_tries(tuner, [speeds] * 2, tokens=[100, 300, 300])
@@ -1866,7 +1883,7 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
     assert (schedule, checked["accepted_per_position"], tuner.exploring()) == (None, [90], True)
     seconds = {None: 1.0, 0: 1.1, 1: 0.6}
     tried = []
-    for step in range(6, 15):
+    for step in range(6, 11):
         if step > 6:
             schedule, checked = tuner.plan(step, check([0.0]), 5, 50, drafting=bool(schedule and any(schedule)))
             assert checked is None  # no checks during the tries
@@ -1874,11 +1891,13 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
         variant = schedule[0] if schedule else None
         tuner.after_rollout(schedule, {0: (100, seconds[variant])},
                             _acceptance_statistics([0.9]) if variant else None)
-    assert tried == [None, [0], [1]] * 3 and not tuner.exploring()
-    assert tuner.plan(15, check([0.0]), 5, 50, drafting=True) == ([1], None)  # drafting: no check at 15
+    # k = 1 drops k = 0 (0.6 s against 1.1) and beats PLAIN by more than 15%: PLAIN is not
+    # tried again, k = 1 three times.
+    assert tried == [None, [0], [1], [1], [1]] and not tuner.exploring()
+    assert tuner.plan(11, check([0.0]), 5, 50, drafting=True) == ([1], None)  # drafting: no check at 11
     # A drafting rollout that finds the draft left behind stops drafting at the next plan.
     tuner.after_rollout([1], {0: (100, 0.6)}, _acceptance_statistics([0.05]))
-    assert tuner.plan(16, check([0.0]), 5, 50, drafting=True)[0] is None
+    assert tuner.plan(12, check([0.0]), 5, 50, drafting=True)[0] is None
     assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(_acceptance_statistics([0.5, 0.25])) \
         == [0.5, 0.25]
 
