@@ -1984,12 +1984,14 @@ def _long_tailed_speed(variant, band):
     return size * _tokens_per_verify_step(variant) / cost
 
 
-def _smooth_speed(variant, band):
-    """Between the two: a step costs 1 plus 5% per sequence and verified token."""
+def _ladder_speed(variant, band):
+    """Each k 6% faster than the one before in the thin bands (farther apart than the
+    tuner's margin, closer than two noisy tries can be), 8% slower in the crowded ones;
+    the draft layer costs 5%."""
     size = SYNTHETIC_SIZES[band]
     if variant == draft_tuner.PLAIN:
-        return size / (1 + 0.05 * size)
-    return size * _tokens_per_verify_step(variant) / (1 + 0.05 * size * (variant + 1.1))
+        return float(size)
+    return size * 0.95 * (1.06 if size <= 8 else 0.92) ** variant
 
 
 def _simulate_rollouts(tuner, speed, tokens, rollouts, noise=0.0, seed=0):
@@ -2074,12 +2076,14 @@ def test_draft_tuner_chooses_the_per_band_oracle_on_a_long_tailed_rollout():
 
 def test_draft_tuner_choice_stays_near_the_oracle_under_noise():
     """Each try's speed per band off by up to 5% either way (the noise the module states),
-    30 seeds: the choice's rollout time is within 3% of the per-band oracle's, on bands
-    whose k run close together (a smooth cost) and where every band is crowded (then
-    PLAIN). Guards counting each candidate's fastest measurement and the elimination
-    margin (at 0, noise drops the candidate that would win)."""
+    30 seeds: the choice's rollout time is within 3% of the per-band oracle's (worst
+    1.4%), where each k runs close to the next (a ladder) and where every band is crowded
+    (then PLAIN). Guards the elimination margin (at 0, noise drops the k that wins: 7.7%
+    off), re-judging the climb after every measurement (judged at a k's first only, it
+    stalls on one slow try: 4.3% off) and counting each candidate's fastest try (its
+    first: 4.3% off)."""
     tokens = [steps * size for steps, size in zip(SYNTHETIC_STEPS, SYNTHETIC_SIZES)]
-    for speed, tokens in ((_smooth_speed, tokens), (_crowded_speed(0.0), [100] * 4)):
+    for speed, tokens in ((_ladder_speed, tokens), (_crowded_speed(0.0), [100] * 4)):
         oracle = [max(range(4), key=lambda k: speed(k, band)) for band in range(len(tokens))]
         best = min(_rollout_seconds(speed, tokens, oracle), _rollout_seconds(speed, tokens, None))
         for seed in range(30):
