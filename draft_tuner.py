@@ -7,7 +7,12 @@ away from only costs. So the number of draft tokens k (0 = no drafting) is measu
 assumed, and measured on the rollouts themselves: short timing rollouts mislead (on a
 shared machine a burst of load slows a short rollout whole, and at temperature 1 a few
 sequences sampled off what the draft predicts make one short rollout far slower than the
-next), while a few real rollouts taking turns over k measure each to a few percent.
+next), while a few real rollouts taking turns measure each k to a few percent (one
+rollout's speed differs from the next by about 5%). The tries are per band of batch sizes
+and cost little where drafting cannot pay: each band climbs from k = 0 and 1 to deeper k
+only while the deepest is about the fastest, drops a k once it is clearly slower, and runs
+its fastest k once nothing is left to measure; the plain engine is tried again only while
+its time and the bands' are close (DraftTuner).
 
     tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
     for step in steps:
@@ -95,7 +100,8 @@ class DraftTuner:
       fastest by more than ELIMINATION_MARGIN is dropped there; the others get up to
       `rounds` measurements, the fewest-measured (then the smallest k) first. A band with
       nothing left to measure runs the k it would choose now, the cheapest it can.
-    - PLAIN is measured first, then again (up to `rounds`) only while the rollout time of
+    - PLAIN is measured first; once every band a try reached has measured each of its
+      candidates, again (after a band try, up to `rounds`) only while the rollout time of
       the bands' fastest k and PLAIN's are within ELIMINATION_MARGIN of each other: a
       clear winner needs no more rounds (and a PLAIN try costs where drafting wins). Once
       PLAIN beats that time by more than the margin with every band's candidates measured

@@ -7072,7 +7072,9 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
     assert tuner["max_tokens"] == 3 and tuner["measured"] == pytest.approx(first["check_acceptance_by_depth"])
-    assert tuner["schedule"] == ([draft_tuner.PLAIN, 0, 1, 2, 3] * draft_tuner.TRY_ROUNDS)[2:]
+    bands = len(spec_config.BAND_EDGES)
+    assert tuner["trying"] and tuner["deepest"] == 3 and tuner["tried"] == [None, [0] * bands]
+    assert tuner["candidates"] == [[0, 1]] * bands  # k = 1 not measured yet: no band climbed or dropped
     # The trainer's estimates (no check at step 2, none due until step 6): after step 2's
     # rollout, which did not draft, A_1 is step 2's estimate and the deeper A_i follow the
     # check's conditional acceptances.
@@ -7090,26 +7092,33 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
 
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
-    # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
-    # 1-9 try the plain engine, the drafting one at k = 0 and at k = 1 three times in turn
-    # on their own rollouts, each measured per band of batch sizes, and step 10 rolls out
-    # as the tries say, at the acceptance since.
+    # A draft that is nearly always right: step 1's check finds k = 1 could pay, so the
+    # steps from 1 on try the plain engine, then the drafting one at k = 0 and at k = 1 per
+    # band of batch sizes, each band's candidates measured up to 3 times (fewer where one
+    # is clearly slower: which, the machine's speed says), at most 9 tries; then the
+    # rollouts run as the tries say, at the acceptance since.
     model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
     records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "10", "--prompts-per-step", "4",
                         "--eval-every", "10", "--save-every", "9", "--max-speculative-tokens", "1")
     assert records[0]["check_acceptance_by_depth"][0] > 0.3
-    tries, bands = records[:9], len(spec_config.BAND_EDGES)
-    assert [r["draft_schedule"] for r in tries] == [None, [0] * bands, [1] * bands] * 3
-    assert [r["acceptance_rate"] is not None for r in tries] == [False, False, True] * 3
+    bands = len(spec_config.BAND_EDGES)
+    count = sum("tried_band_speeds" in record for record in records)
+    tries = records[:count]
+    assert 3 <= count <= 9 and all("tried_band_speeds" in record for record in tries)
+    reached = [any(spec_config.band_label(band) in r["bands"] for r in records[:2]) for band in range(bands)]
+    assert [r["draft_schedule"] for r in tries[:3]] == [None, [0] * bands, [int(ran) for ran in reached]]
     for record in tries:
+        schedule = record["draft_schedule"]
+        assert (record["acceptance_rate"] is not None) == bool(schedule and any(schedule))
         # Every rank's engine ran the same bands: the prompts' 32 completions and the probe.
         assert sum(band["tokens"] for band in record["bands"].values()) == 2 * (4 * 8 * 3 + 3)
         assert set(record["tried_band_speeds"]) == {"plain", "0", "1"}
     assert "tried_band_speeds" not in records[9]
     tuner_state = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000009", "rank0.pt"),
                              weights_only=True)["draft_tuner"]
-    assert tuner_state["schedule"] == [] and tuner_state["num_bands"] == bands
-    assert max(len(speeds) for speeds in tuner_state["realized"]["plain"]) == 3
+    assert not tuner_state["trying"] and tuner_state["num_bands"] == bands
+    assert tuner_state["tried"] == [r["draft_schedule"] for r in tries]
+    assert 1 <= max(len(speeds) for speeds in tuner_state["realized"]["plain"]) <= 3
     # Step 10's plan from the tuner the checkpoint holds: what the run rolled out with.
     tuner = draft_tuner.DraftTuner(1, bands)
     tuner.load_state_dict(tuner_state)
