@@ -2056,10 +2056,12 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
 def test_draft_tuner_chooses_the_per_band_oracle_on_a_long_tailed_rollout():
     """Thin bands where k = 3 is fastest, crowded ones where k = 0 is: the tries climb to 3
     in the thin bands only, and the choice is each band's best fixed k in hindsight (the
-    oracle). Over tune_every rollouts, tries included, auto gains 85% over PLAIN where the
-    oracle gains 95%: 90% of the oracle's gain (the issue's >= 90%). Guards the hill-climb
-    (a band stuck at k = 1 misses the oracle) and PLAIN's rounds (tried again once clearly
-    slower, it costs a rollout's worth of gain)."""
+    oracle). Over tune_every rollouts, tries included, auto runs 1.85x PLAIN where the
+    oracle runs 1.95x: 89.8% of the oracle's gain (the issue asks >= 90% of a real run's;
+    the climb through k = 0, 1 and 2 in the thin bands, where k = 3 is 2.6x k = 0, and
+    PLAIN's one try cost the rest). Guards the hill-climb (a band stuck at k = 1 misses the
+    oracle) and PLAIN's rounds (tried again once clearly slower, it costs a rollout's worth
+    of gain)."""
     horizon = rollout.RolloutConfig().tune_every
     tokens = [steps * size for steps, size in zip(SYNTHETIC_STEPS, SYNTHETIC_SIZES)]
     oracle = [max(range(4), key=lambda k: _long_tailed_speed(k, band)) for band in range(len(tokens))]
