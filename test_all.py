@@ -2053,7 +2053,7 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
     assert len(tried) < 15
 
 
-def test_draft_tuner_chooses_the_per_band_oracle_on_a_long_tailed_rollout():
+def test_draft_tuner_chooses_the_per_band_oracle_on_long_tailed_bands():
     """Thin bands where k = 3 is fastest, crowded ones where k = 0 is: the tries climb to 3
     in the thin bands only, and the choice is each band's best fixed k in hindsight (the
     oracle). Over tune_every rollouts, tries included, auto runs 1.85x PLAIN where the
@@ -2095,7 +2095,7 @@ def test_draft_tuner_choice_stays_near_the_oracle_under_noise():
             assert _rollout_seconds(speed, tokens, tuner.choose()) <= 1.03 * best, (seed, tuner.choose())
 
 
-def test_draft_tuner_resumes_the_tries_where_the_checkpoint_left_them():
+def test_draft_tuner_resumes_the_tries_from_a_saved_state():
     """A state saved mid-tries (through torch.save, as checkpoints are) names the same next
     schedules as the tuner it came from, to the end of the tries, and the same choice; a
     state of the whole-rollout layout is refused, naming what it lacks. Guards _STATE
