@@ -276,6 +276,7 @@ class DraftTuner:
         return not (drafting_seconds and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds)
 
     def _tries_left(self):
+        """Whether a try is due (PLAIN or a band's), within `rounds` x (2 + the deepest k) tries."""
         return len(self.tried) < self.rounds * (2 + self.deepest) and (self._plain_due() or self._bands_due())
 
     def _next_try(self):
