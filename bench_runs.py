@@ -210,8 +210,8 @@ def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
     """auto as train_grpo runs it (draft_tuner's plan and after_rollout): an acceptance check
     at the deepest k, then rollouts at the variant the tuner names until it settles; returns
     (the k it settles on at this concurrency, which `dynamic` is left set to, its draft
-    layer idle where no band drafts; the variants tried in order, "plain" or a k; the
-    tuner)."""
+    layer idle where no band drafts; each try's variant at this concurrency in order,
+    "plain" or a k; the tuner)."""
     from vllm import SamplingParams
     check_params = SamplingParams(temperature=SPEC_TEMPERATURE, max_tokens=draft_tuner.ACCEPTANCE_CHECK_TOKENS,
                                   ignore_eos=True)
@@ -225,9 +225,9 @@ def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
     # Neither a second check nor a second round of tries falls in the rollouts measured here.
     planning = dict(check_every=10**9, tune_every=10**9)
     schedule, _ = rollout.plan_draft_tokens(tuner, dynamic, 1, check, drafting=False, **planning)
-    tried = []
+    tried, own_band = [], spec_config.band_of(len(prompts))  # every engine step here decodes all the prompts
     while tuner.exploring():
-        tried.append(draft_tuner.PLAIN if schedule is None else schedule[0])
+        tried.append(draft_tuner.PLAIN if schedule is None else schedule[own_band])
         band_meter.read()
         _, outputs = rollout_tokens_per_second(dynamic, prompts, seeded_params(len(prompts), SPEC_REPEATS + len(tried)))
         drafting = schedule is not None and any(schedule)
@@ -235,7 +235,7 @@ def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
                                        for band, counts in band_meter.read().items()},
                             dynamic_meter.read(outputs) if drafting else None)
         schedule, _ = rollout.plan_draft_tokens(tuner, dynamic, 1 + len(tried), check, drafting=drafting, **planning)
-    return (schedule[spec_config.band_of(len(prompts))] if schedule else 0), tried, tuner
+    return (schedule[own_band] if schedule else 0), tried, tuner
 
 
 def measure_spec_rollout(checkpoint, threads):

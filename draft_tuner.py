@@ -7,7 +7,12 @@ away from only costs. So the number of draft tokens k (0 = no drafting) is measu
 assumed, and measured on the rollouts themselves: short timing rollouts mislead (on a
 shared machine a burst of load slows a short rollout whole, and at temperature 1 a few
 sequences sampled off what the draft predicts make one short rollout far slower than the
-next), while a few real rollouts taking turns over k measure each to a few percent.
+next), while a few real rollouts taking turns measure each k to a few percent (one
+rollout's speed differs from the next by about 5%). The tries are per band of batch sizes
+and cost little where drafting cannot pay: each band climbs from k = 0 and 1 to deeper k
+only while the deepest is about the fastest, drops a k once it is clearly slower, and runs
+its fastest k once nothing is left to measure; the plain engine is tried again only while
+its time and the bands' are close (DraftTuner).
 
     tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
     for step in steps:
@@ -53,12 +58,15 @@ def acceptance_by_depth(statistics):
     return [count / drafted for count, drafted in zip(statistics["accepted_per_position"], drafts) if drafted]
 
 
-# DraftTuner: each variant tried on this many rollouts (in turns), its fastest counting (one
-# rollout's speed differs from the next by about 5%, and a burst of load slows one of
-# them); and the least a drafted token costs, as a share of a target step (one MTP layer
-# next to a 16-layer target costs more): a k whose drafts add fewer tokens per step is not
-# tried.
+# DraftTuner: each candidate gets up to this many measurements per band (one rollout's speed
+# differs from the next by about 5%, and a burst of load slows one of them: the fastest
+# counts); one whose fastest is slower than its band's best by more than ELIMINATION_MARGIN
+# is dropped there (twice the spread two noisy rollouts can show, plus room: a candidate
+# that far behind does not catch up by noise); and the least a drafted token costs, as a
+# share of a target step (one MTP layer next to a 16-layer target costs more): a k whose
+# drafts add fewer tokens per step is not tried.
 TRY_ROUNDS = 3
+ELIMINATION_MARGIN = 0.15
 MIN_DRAFT_COST = 0.05
 # The acceptance check (while no rollout drafts): its new tokens (a few verify steps at the
 # deepest k) and prompts per engine (each with the rollout's completions per prompt).
@@ -79,24 +87,41 @@ class DraftTuner:
     tokens and seconds per band. `plan` and `after_rollout` (above in the module
     docstring) are the whole use.
 
-    The tries: the next rollouts take turns over the variants, `rounds` each: the draft
-    idle (PLAIN), k = 0 with the draft layer running, and at every k that could pay
-    (PLAIN, 0, 1, 2, 3, PLAIN, 0, ...), each at one k for every band. A k could pay only where a verify
-    step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at least 1 +
-    margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x
-    MIN_DRAFT_COST): a random draft is not tried. Each variant counts its fastest try per
-    band (a burst of load slows one rollout, not the choice).
+    The tries: the next rollouts are tries, of two kinds taking turns. A PLAIN try rolls
+    the whole rollout out with the draft idle. A band try gives each band its own k: each
+    band keeps its own candidates and measurements, and the bands are tried side by side.
+    - Hill-climb: a band's candidates start as k = 0 and 1; k + 1 joins them once k was
+      measured there and ran within `margin` of the band's fastest (a band where k = 1
+      loses never tries 2 or 3), up to the deepest k that could pay: where a verify step's
+      tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at least 1 + margin
+      times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST).
+      Nothing is tried where no k could pay (a random draft).
+    - Successive elimination: a measured candidate whose fastest is slower than its band's
+      fastest by more than ELIMINATION_MARGIN is dropped there; the others get up to
+      `rounds` measurements, the fewest-measured (then the smallest k) first. A band with
+      nothing left to measure runs the k it would choose now, the cheapest it can.
+    - PLAIN is measured first; once every band a try reached has measured each of its
+      candidates, again (after a band try, up to `rounds`) only while the rollout time of
+      the bands' fastest k and PLAIN's are within ELIMINATION_MARGIN of each other: a
+      clear winner needs no more rounds (and a PLAIN try costs where drafting wins). Once
+      PLAIN beats that time by more than the margin with every band's candidates measured
+      once, the drafting ones are dropped whole: further measurements cannot pay.
+    The tries end when neither PLAIN nor any band a try reached has a candidate left to
+    measure, or after `rounds` x (2 + the deepest k) of them (a band reached only now and
+    then); each counts its fastest per band (a burst of load slows one rollout, not the
+    choice).
 
     The choice (`choose`, after the tries): per band, the drafting k fastest there (k > 0
-    must beat k = 0 by `margin`, so noise does not buy a slower band); that schedule's
-    rollout time, the tries' tokens per band over each band's speed, against PLAIN's, which
-    must be slower by `margin` for any band to draft. Between
-    tries a band's speed at k follows the tokens its steps emit, so each tried speed is
-    scaled by 1 + A_1 + ... + A_k now over then: a draft the policy left behind drops its
-    bands to k = 0, and PLAIN once no band drafts. `retry` (a fraction): the
-    tries are stale once the tokens a deepest-k step emits rose this much since they ended;
-    a fall needs no tries, the scaled speeds already draft less. Its state is plain data
-    (`state_dict`, `load_state_dict`) for checkpoints.
+    must beat k = 0 by `margin`, so noise does not buy a slower band; a band no try ran
+    takes the nearest tried band's); that schedule's rollout time, the tries' tokens per
+    band over each band's speed, against PLAIN's, which must be slower by `margin` for any
+    band to draft. Between tries a band's speed at k follows the tokens its steps emit, so
+    each tried speed is scaled by 1 + A_1 + ... + A_k now over then: a draft the policy
+    left behind drops its bands to k = 0, and PLAIN once no band drafts. `retry` (a
+    fraction): the tries are stale once the tokens a deepest-k step emits rose this much
+    since they ended; a fall needs no tries, the scaled speeds already draft less. Its
+    state is plain data (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
+    continues the tries where they were.
     """
 
     def __init__(self, max_tokens, num_bands, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):
@@ -107,7 +132,11 @@ class DraftTuner:
                                                                                  retry, rounds)
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
         self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries ended (began, while they run)
-        self.schedule = []  # the variants of the rollouts still to try, in order
+        self.trying = False  # whether the tries are under way
+        self.deepest = 0  # the deepest k that could pay when the tries began
+        self.candidates = [[] for _ in range(num_bands)]  # per band, the k still tried there
+        self.opened = [0] * num_bands  # per band, the deepest k the hill-climb reached
+        self.tried = []  # each try's schedule so far (None: PLAIN), in order
         self.realized = {}  # variant -> [each band's tries' tokens/s]
         self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
         self.tried_acceptance = None  # [A_1, ..., A_max] when the tries ended; None: no tries to choose from
@@ -149,20 +178,25 @@ class DraftTuner:
             self.acceptance[depth] = self.acceptance[depth - 1] * conditional
 
     def try_each(self):
-        """Line up the tries of PLAIN, k = 0 and every k that could pay at the current
-        acceptance (none where no drafting k could: then PLAIN)."""
-        candidates = [k for k in range(1, self.max_tokens + 1)
-                      if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
-        variants = [PLAIN, 0, *candidates] if candidates else []
-        self.schedule = variants * self.rounds
+        """Begin the tries (the class docstring) at the current acceptance: every band at
+        candidates k = 0 and 1, up to the deepest k that could pay (none where no drafting
+        k could: then PLAIN without tries)."""
+        paying = [k for k in range(1, self.max_tokens + 1)
+                  if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
+        self.deepest = max(paying, default=0)
+        self.trying = bool(paying)
+        self.candidates = [[0, 1] if paying else [] for _ in range(self.num_bands)]
+        self.opened = [1] * self.num_bands
+        self.tried = []
+        variants = [PLAIN, 0, 1] if paying else []
         self.realized = {variant: [[] for _ in range(self.num_bands)] for variant in variants}
         self.band_tokens = [0] * self.num_bands
         self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
         self.tried_acceptance = None
 
     def exploring(self):
-        """Whether the next rollouts are tries (at the variant `choose` names, for `record`)."""
-        return bool(self.schedule)
+        """Whether the next rollouts are tries (at the schedule `choose` names, for `record`)."""
+        return self.trying
 
     def is_stale(self):
         """Whether the acceptance rose so far (by more than `retry`) since the tries ended
@@ -174,55 +208,134 @@ class DraftTuner:
         return self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1 > self.retry
 
     def record(self, band_counts):
-        """A try's measurement: {band: (tokens, seconds)} of the rollout at the variant
+        """A try's measurement: {band: (tokens, seconds)} of the rollout at the schedule
         `choose` named. Outside the tries nothing is kept: the machine's speed drifts over
         minutes, so only rollouts taking turns are compared."""
-        if not self.schedule:
+        if not self.trying:
             return
-        variant = self.schedule.pop(0)
         for band, (tokens, seconds) in band_counts.items():
             if not (0 <= band < self.num_bands and tokens >= 0 and seconds > 0 and math.isfinite(seconds)):
                 raise ValueError(f"band_counts[{band!r}] = {(tokens, seconds)!r}: expected a band in 0..{self.num_bands - 1} "
                                  "with tokens >= 0 and positive finite seconds")
-            self.realized[variant][band].append(tokens / seconds)
+        schedule = self._next_try()
+        for band, (tokens, seconds) in band_counts.items():
+            self.realized[PLAIN if schedule is None else schedule[band]][band].append(tokens / seconds)
             self.band_tokens[band] += tokens
-        if not self.schedule:
+        self.tried.append(schedule)
+        for band in range(self.num_bands):
+            self._eliminate_and_climb(band)
+        if not self._tries_left():
+            self.trying = False
             self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
             self.tried_acceptance = list(self.acceptance)
+
+    def _eliminate_and_climb(self, band):
+        """Drop `band`'s candidates slower than its fastest by more than ELIMINATION_MARGIN;
+        add k + 1 once its deepest k ran within `margin` of the fastest."""
+        speeds = {k: speed for k in range(self.opened[band] + 1) if (speed := self.band_speeds(k)[band]) is not None}
+        if not speeds:
+            return
+        fastest = max(speeds.values())
+        self.candidates[band] = [k for k in self.candidates[band]
+                                 if k not in speeds or speeds[k] * (1 + ELIMINATION_MARGIN) >= fastest]
+        top = self.opened[band]
+        if top < self.deepest and top in self.candidates[band] and top in speeds and \
+                speeds[top] * (1 + self.margin) >= fastest:
+            self.opened[band] = top + 1
+            self.candidates[band].append(top + 1)
+            self.realized.setdefault(top + 1, [[] for _ in range(self.num_bands)])
+
+    def _unmeasured(self, band, least=None):
+        """`band`'s candidates with fewer than `least` (default `rounds`) measurements."""
+        return [k for k in self.candidates[band] if len(self.realized[k][band]) < (least or self.rounds)]
+
+    def _unmeasured_bands(self, least=None):
+        """The bands a try reached with a candidate measured fewer than `least` (default
+        `rounds`) times."""
+        return [band for band in range(self.num_bands) if self.band_tokens[band] and self._unmeasured(band, least)]
+
+    def _plain_due(self):
+        """Whether PLAIN needs another try: none yet, or fewer than `rounds` while its
+        rollout time and the bands' fastest k's are within ELIMINATION_MARGIN, judged once
+        every band a try reached has measured each of its candidates."""
+        plain_tries = self.tried.count(None)
+        if not plain_tries or plain_tries >= self.rounds or self._unmeasured_bands(least=1):
+            return not plain_tries
+        _, drafting_seconds, plain_seconds = self._schedule_seconds()
+        return not drafting_seconds or max(drafting_seconds / plain_seconds,
+                                           plain_seconds / drafting_seconds) <= 1 + ELIMINATION_MARGIN
+
+    def _bands_due(self):
+        """Whether a band a try reached has a candidate to measure, while PLAIN has not beaten
+        the bands' fastest k by more than ELIMINATION_MARGIN with every candidate measured."""
+        if not self._unmeasured_bands():
+            return False
+        if self._unmeasured_bands(least=1) or None not in self.tried:
+            return True
+        _, drafting_seconds, plain_seconds = self._schedule_seconds()
+        return not (drafting_seconds and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds)
+
+    def _tries_left(self):
+        """Whether a try is due (PLAIN or a band's), within `rounds` x (2 + the deepest k) tries."""
+        return len(self.tried) < self.rounds * (2 + self.deepest) and (self._plain_due() or self._bands_due())
+
+    def _next_try(self):
+        """The next try's schedule: PLAIN (None) where due and the last try was not PLAIN
+        (or no band is due); else per band its fewest-measured candidate (the smallest k
+        on a tie), or where none is left, the k it would choose now."""
+        bands_due = self._bands_due()
+        if self._plain_due() and (not bands_due or not self.tried or self.tried[-1] is not None):
+            return None
+        return [min(due, key=lambda k: (len(self.realized[k][band]), k)) if (due := self._unmeasured(band))
+                else self._band_best(band)[0] for band in range(self.num_bands)]
 
     def band_speeds(self, variant):
         """[each band's fastest tried tokens/s at `variant`, None where it ran no step]."""
         return [max(speeds) if speeds else None for speeds in self.realized[variant]]
 
     def choose(self):
-        """The next rollout's schedule: the next try's (None: PLAIN; else one k for every
-        band), else the fastest (above) at today's acceptance."""
-        if self.schedule:
-            variant = self.schedule[0]
-            return None if variant == PLAIN else [variant] * self.num_bands
+        """The next rollout's schedule: the next try's (None: PLAIN; else a k per band),
+        else the fastest (above) at today's acceptance."""
+        if self.trying:
+            return self._next_try()
         if self.tried_acceptance is None:
             return None
         return self._fastest_schedule()
 
-    def _fastest_schedule(self, acceptance=None):
-        """Per band the fastest drafting k (its speed scaled to `acceptance`, default
-        today's), where the bands' rollout time beats PLAIN's; else None."""
-        plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
+    def _band_best(self, band, acceptance=None):
+        """(the drafting k fastest in `band`, its tokens/s; k = 0's without another that beats
+        it by `margin`; None where k = 0 never ran there), each speed scaled to `acceptance`
+        (default today's) after the tries."""
+        no_draft = self.band_speeds(0)[band] if 0 in self.realized else None
+        best, best_speed = 0, no_draft
+        for k in (variant for variant in self.realized if variant not in (PLAIN, 0)):
+            speed = self.band_speeds(k)[band]
+            if speed is None or best_speed is None:
+                continue
+            if self.tried_acceptance is not None:
+                speed *= self.tokens_per_step(k, acceptance) / self.tokens_per_step(k, self.tried_acceptance)
+            if speed >= (1 + self.margin) * no_draft and speed > best_speed:
+                best, best_speed = k, speed
+        return best, best_speed
+
+    def _schedule_seconds(self, acceptance=None):
+        """(each band's fastest drafting k, _band_best's; the tries' tokens at those k's
+        speeds and at PLAIN's, in seconds, over the bands both ran)."""
+        plain = self.band_speeds(PLAIN)
         schedule, drafting_seconds, plain_seconds = [], 0.0, 0.0
         for band in range(self.num_bands):
-            best, best_speed = 0, no_draft[band]
-            for k in (variant for variant in self.realized if variant not in (PLAIN, 0)):
-                speed = self.band_speeds(k)[band]
-                if speed is None or best_speed is None:
-                    continue
-                speed *= self.tokens_per_step(k, acceptance) / self.tokens_per_step(k, self.tried_acceptance)
-                if speed >= (1 + self.margin) * no_draft[band] and speed > best_speed:
-                    best, best_speed = k, speed
+            best, best_speed = self._band_best(band, acceptance)
             schedule.append(best)
             if self.band_tokens[band] and best_speed and plain[band]:
                 drafting_seconds += self.band_tokens[band] / best_speed
                 plain_seconds += self.band_tokens[band] / plain[band]
-        schedule = _fill_unseen(schedule, [speed is not None for speed in no_draft])
+        return schedule, drafting_seconds, plain_seconds
+
+    def _fastest_schedule(self, acceptance=None):
+        """Per band the fastest drafting k (its speed scaled to `acceptance`, default
+        today's), where the bands' rollout time beats PLAIN's; else None."""
+        schedule, drafting_seconds, plain_seconds = self._schedule_seconds(acceptance)
+        schedule = _fill_unseen(schedule, [speed is not None for speed in self.band_speeds(0)])
         if not any(schedule) or plain_seconds < (1 + self.margin) * drafting_seconds:
             return None
         return schedule
@@ -234,8 +347,8 @@ class DraftTuner:
         Outside the tries: while the last rollout did not draft (`drafting` False), at a
         run's first plan and, without the trainer's estimates, every `check_every` steps
         `check()` measures the acceptance at the deepest k; at the first plan, every
-        `tune_every` steps and once the acceptance moved far, the next rollouts try each
-        variant in turn. `exploring()` after it says whether this rollout is a try
+        `tune_every` steps and once the acceptance moved far, the tries begin
+        (`try_each`). `exploring()` after it says whether this rollout is a try
         (`after_rollout` then needs its band counts).
         """
         checked = None
@@ -267,12 +380,14 @@ class DraftTuner:
                 raise ValueError(f"a tuner state for {name} {state.get(name)}, this tuner has {getattr(self, name)}")
         missing = [name for name in self._STATE if name not in state]
         if missing:
-            raise ValueError(f"a tuner state without {missing}")
+            raise ValueError(f"a tuner state without {missing} (saved by a tuner that kept less, or tried whole "
+                             "rollouts at one k, not k per band): expected every name of DraftTuner._STATE")
         for name in self._STATE:
             setattr(self, name, state[name])
 
     _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
-              "schedule", "realized", "band_tokens", "tried_acceptance", "measured", "drafted", "estimated")
+              "trying", "deepest", "candidates", "opened", "tried", "realized", "band_tokens", "tried_acceptance",
+              "measured", "drafted", "estimated")
 
 
 def _fill_unseen(schedule, seen):
