@@ -494,14 +494,17 @@ def plot_rl_drafting(rounds, path):
 
 
 def rl_round(number, variants):
-    """One round: each of `variants` (name -> flags) run fresh, in this round's order."""
+    """One round: each of `variants` (name -> flags) run fresh, in this round's order;
+    returns ({name: its records}, {name: its whole process's seconds, launch to exit})."""
     names = list(variants) if number % 2 else list(reversed(variants))
-    runs = {}
+    runs, walls = {}, {}
     for name in names:
         out = os.path.join(RL_RUN_DIR, f"round{number}", name)
         shutil.rmtree(out, ignore_errors=True)
+        started = time.perf_counter()
         runs[name] = train_grpo_run(out, (*RL_FLAGS, *variants[name]))
-    return runs
+        walls[name] = time.perf_counter() - started
+    return runs, walls
 
 
 def rl_tokens_per_verify_step(records):
@@ -510,7 +513,7 @@ def rl_tokens_per_verify_step(records):
     return 1 + sum(rl_acceptance_by_depth(records))
 
 
-def rl_round_row(number, runs, oracle):
+def rl_round_row(number, runs, walls, oracle):
     drafting, none = runs["drafting"], runs["none"]
     rollout_phase = [rl_phase_seconds(records, ("tune", "rollout")) for records in (drafting, none)]
     step = [rl_phase_seconds(records, run_log.STEP_PHASES) for records in (drafting, none)]
@@ -519,7 +522,9 @@ def rl_round_row(number, runs, oracle):
     last = drafting[-1]
     return {"row": f"rl_drafting round {number}", "ours_ms": 1000 * step[0], "baseline_ms": 1000 * step[1],
             "speedup": step[1] / step[0],
-            "notes": (f"rollout phase (tune + rollout) {rollout_phase[0]:.1f} s vs {rollout_phase[1]:.1f} s: "
+            "notes": (f"whole process {walls['drafting']:.0f} s vs {walls['none']:.0f} s: "
+                      f"{walls['none'] / walls['drafting']:.2f}x; "
+                      f"rollout phase (tune + rollout) {rollout_phase[0]:.1f} s vs {rollout_phase[1]:.1f} s: "
                       f"{gain:.2f}x (the per-band oracle {oracle:.2f}x: auto has {(gain - 1) / (oracle - 1):.0%} of its "
                       f"gain); step {step[0]:.1f} s vs {step[1]:.1f} s; reward {drafting[-1]['reward_mean']:.3f} vs "
                       f"{none[-1]['reward_mean']:.3f} at the last step; held-out accuracy "
@@ -537,11 +542,12 @@ def rl_round_row(number, runs, oracle):
 def row_rl_drafting():
     # The warm start is built (once) before any timed run.
     train_grpo_run(os.path.join(RL_RUN_DIR, "warm"), (*RL_FLAGS, "--steps", "1", "--no-mtp-rollout"))
-    rounds = [rl_round(number, dict(RL_VARIANTS, **(RL_ORACLE_VARIANTS if number == 1 else {})))
-              for number in range(1, RL_ROUNDS + 1)]
+    rounds, walls = zip(*(rl_round(number, dict(RL_VARIANTS, **(RL_ORACLE_VARIANTS if number == 1 else {})))
+                          for number in range(1, RL_ROUNDS + 1)))
     oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS])
     plot_rl_drafting([{name: runs[name] for name in RL_VARIANTS} for runs in rounds], RL_PLOT)
-    rows = [rl_round_row(number, runs, oracle) for number, runs in enumerate(rounds, 1)]
+    rows = [rl_round_row(number, runs, round_walls, oracle)
+            for number, (runs, round_walls) in enumerate(zip(rounds, walls), 1)]
     deepest = list(RL_ORACLE_VARIANTS)[-1]
     fixed = rounds[0][deepest]
     rows.append({"row": f"rl_drafting fixed {deepest}", "ours_ms": None, "baseline_ms": None, "speedup": None,

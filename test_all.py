@@ -67,6 +67,7 @@ import train_grpo
 import trainer
 import vllm_sync
 import warm_start
+import bench_runs
 from harness import (PROCESS_TIMEOUT_SECONDS, REPO_DIR, VLLM_ENV, pad_batch, padded_logprobs, requires_cuda,
                      run_in_processes, shared_memory_names, to_host)
 from mtp_matrix import MTP_BEHAVIOURS, MTP_MATRIX_PATH, MTP_RELATIVE_TOLERANCE, MTP_RELEASES, MTP_UPSTREAM_BROKEN
@@ -7838,6 +7839,29 @@ def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_
 
 
 # ---------------------------------------------------------------------------------------
+# bench_runs: the rows that drive vLLM engines or whole runs
+# ---------------------------------------------------------------------------------------
+
+def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight():
+    def run(bands, rollout_s=12.0):
+        record = {"tune_s": 0.0, "rollout_s": rollout_s, "bands": {
+            label: {"tokens": tokens, "seconds": seconds} for label, (tokens, seconds) in bands.items()}}
+        return [record, dict(record, tune_s=1.0)]
+
+    # none: the thin band at 10 tok/s, the crowded one at 100; k = 3 thin at 30, crowded at 40.
+    none = run({"1": (100, 10.0), "65-128": (100, 1.0)})
+    fixed = [run({"1": (60, 3.0), "65-128": (80, 1.0)}), run({"1": (90, 3.0), "65-128": (40, 1.0)})]
+    # The none run's rollout phase: 2 x 12 s + 1 s of tune; the oracle's thin band takes
+    # 2 x 100 tokens at 30 tok/s instead of 20 s, the crowded one stays none's.
+    phase = 25.0
+    oracle = phase - (20.0 - 200 / 30)
+    assert bench_runs.rl_oracle_speedup(none, fixed) == pytest.approx(phase / oracle, rel=1e-12)
+    assert bench_runs.rl_oracle_speedup(none, []) == pytest.approx(1.0)
+    drafted = [{"acceptance_by_depth": [0.9, 0.8, 0.6]}, {"acceptance_by_depth": [0.7, 0.6, 0.4]},
+               {"acceptance_by_depth": None}]
+    assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
+
+# ---------------------------------------------------------------------------------------
 # setup.sh: where torch comes from, and which Python
 # ---------------------------------------------------------------------------------------
 
@@ -8191,3 +8215,4 @@ def test_readme_module_table_names_each_modules_packages_and_which_load_lazily()
                       "code": [sorted(names) for names in packages]}
              for module, packages in code.items() if readme.get(module) != packages}
     assert wrong == {}, "README's imports column says other packages, or other lazy ones, than the code"
+

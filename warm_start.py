@@ -59,7 +59,7 @@ LOG_EVERY = 25
 class WarmStartConfig:
     """The supervised stage: the task whose training answers it learns and how."""
     task: str = "tail"                # tasks.TASKS: its training pool's answers, EOS included
-    steps: int = 300                  # optimizer steps
+    steps: int = 100                  # optimizer steps
     answers_per_step: int = 32        # drawn from the pool, a fixed seed per step
     lr: float = 1e-3                  # Adam's; the deep model learns count's rule at this rate
     seed: int = 0
