@@ -5113,6 +5113,8 @@ def test_forward_refuses_an_unknown_mtp_target_and_policy_targets_megatron_would
     # Refused before the model is touched.
     with pytest.raises(ValueError, match=r"mtp_target='soft'; expected one of \('sampled', 'policy'\)"):
         forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="soft")
+    with pytest.raises(ValueError, match=r"mtp_policy_loss='kl'; expected one of \('ce', 'tv'\)"):
+        forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="policy", mtp_policy_loss="kl")
     monkeypatch.setattr(forward, "patched", lambda: False)
     with pytest.raises(ValueError, match="mtp_target='policy' on an unpatched megatron-core"):
         forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="policy")
@@ -5946,11 +5948,12 @@ def test_trainer_micro_batch_passes_its_mtp_target_on(monkeypatch):
     policy = trainer.Policy(model=torch.nn.Linear(1, 1), ddp_model=None, optimizer=None)
     sample = {"prompt_ids": [3, 4], "response_ids": [5, 6], "advantages": torch.ones(2), "rollout_logprobs": [-1.0, -1.0],
               "group": 0}
-    assert trainer.TrainConfig().mtp_target == "policy"
-    for target in ("policy", "sampled"):
+    assert trainer.TrainConfig().mtp_target == "policy" and trainer.TrainConfig().mtp_loss == "ce"
+    for target, loss in (("policy", "ce"), ("sampled", "ce"), ("policy", "tv")):
         with pytest.raises(Reached):
-            trainer.micro_batch_loss(policy, [sample], 1, 2, trainer.TrainConfig(mtp_target=target), sums={})
-        assert received["mtp_target"] == target and received["mtp_train"]
+            trainer.micro_batch_loss(policy, [sample], 1, 2, trainer.TrainConfig(mtp_target=target, mtp_loss=loss),
+                                     sums={})
+        assert received["mtp_target"] == target and received["mtp_policy_loss"] == loss and received["mtp_train"]
 
 
 def _rank_shares():
@@ -6600,6 +6603,22 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-target", "soft"])
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
+
+
+def test_flags_mtp_loss_reaches_the_train_config_and_is_refused_where_nothing_reads_it():
+    assert flags.parse_args([]).mtp_loss == trainer.TrainConfig().mtp_loss == "ce"
+    settings = flags.check_args(flags.parse_args(["--mtp-loss", "tv"]), world_size=2)
+    assert run_configs.train_config(settings).mtp_loss == "tv"
+    with pytest.raises(SystemExit) as refused:
+        flags.parse_args(["--mtp-loss", "kl"])
+    assert "train_grpo.py: argument --mtp-loss: invalid choice: 'kl' (choose from 'ce', 'tv')" in str(
+        refused.value.code)
+    for off in (["--mtp-target", "sampled"], ["--no-mtp-train"]):
+        with pytest.raises(SystemExit) as refused:
+            flags.check_args(flags.parse_args(["--mtp-loss", "tv", *off]), world_size=2)
+        assert (f"--mtp-loss tv: the MTP head's loss against the policy's distribution, not learnt with "
+                f"{' '.join(off)}; expected --mtp-target policy with --mtp-train") in str(refused.value.code)
+        flags.check_args(flags.parse_args(off), world_size=2)  # the default loss is no request
 
 
 # (flags, the model has MTP layers, the settled (mtp_rollout, auto_draft, draft_tokens)) by
