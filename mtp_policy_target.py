@@ -115,10 +115,7 @@ class VocabParallelSoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target_logits, group):
-        log_q = vocab_parallel_log_softmax(logits, group)
-        p = vocab_parallel_log_softmax(target_logits, group).exp_()
-        cross_entropy = -(p * log_q).sum(dim=-1)
-        q = log_q.exp_()
+        p, q, cross_entropy = policy_and_head(logits, target_logits, group)
         loss, overlap = all_reduced(torch.stack([cross_entropy, torch.minimum(p, q).sum(dim=-1)]), group)  # one call
         ctx.save_for_backward(q.sub_(p))
         ctx.mark_non_differentiable(overlap)
@@ -160,10 +157,7 @@ class VocabParallelTotalVariation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target_logits, group):
-        log_q = vocab_parallel_log_softmax(logits, group)
-        p = vocab_parallel_log_softmax(target_logits, group).exp_()
-        cross_entropy = -(p * log_q).sum(dim=-1)
-        q = log_q.exp_()
+        p, q, cross_entropy = policy_and_head(logits, target_logits, group)
         under = torch.sign(q - p).neg_().add_(1).mul_(0.5)  # u: 1 where q < p, 0 where q > p, 1/2 at a tie
         sums = torch.stack([0.5 * (p - q).abs().sum(dim=-1), torch.minimum(p, q).sum(dim=-1),
                             (under * q).sum(dim=-1), cross_entropy])
@@ -182,6 +176,16 @@ class VocabParallelTotalVariation(torch.autograd.Function):
 
 # The autograd function of each of POLICY_TARGET_LOSSES.
 POLICY_TARGET_LOSS_FUNCTIONS = {"ce": VocabParallelSoftCrossEntropy, "tv": VocabParallelTotalVariation}
+
+
+def policy_and_head(logits, target_logits, group):
+    """(p = softmax(target_logits), q = softmax(logits): this rank's shards [..., V/tp], the
+    softmax over the whole vocabulary; -sum_v p(v) log q(v) over this rank's shard [...],
+    to be all-reduced)."""
+    log_q = vocab_parallel_log_softmax(logits, group)
+    p = vocab_parallel_log_softmax(target_logits, group).exp_()
+    cross_entropy = -(p * log_q).sum(dim=-1)
+    return p, log_q.exp_(), cross_entropy
 
 
 def vocab_parallel_log_softmax(logits, group):
