@@ -3939,7 +3939,7 @@ def _run_config(given=(), world_size=1):
     return run_configs.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
 
 
-def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_rest(uninterrupted_run):
+def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_rest(uninterrupted_run, tmp_path):
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
@@ -3953,6 +3953,17 @@ def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_
         f"--resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
         "and another --out")
+    # The MTP head's loss makes another run; a checkpoint saved before --mtp-loss existed ran ce.
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss tv \(was ce\)"):
+        checkpoint.resume_changes(directory, vars(_settings(same + ["--mtp-loss", "tv"], 2)))
+    older = tmp_path / "step_000005"
+    older.mkdir()
+    meta = checkpoint.read_meta(directory)
+    del meta["flags"]["mtp_loss"]
+    (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
+    assert checkpoint.resume_changes(str(older), vars(_settings(same, 2))) == ""
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss tv \(was ce\)"):
+        checkpoint.resume_changes(str(older), vars(_settings(same + ["--mtp-loss", "tv"], 2)))
 
 
 # ---------------------------------------------------------------------------------------
