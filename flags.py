@@ -327,6 +327,11 @@ def add_mtp_flags(p):
                    help="what the MTP head learns at each position: sampled, the token drawn there (cross entropy), "
                         "or policy, the policy's own next-token distribution at --temperature, detached (soft cross "
                         "entropy; one more output-layer pass per forward)")
+    p.add_argument("--mtp-loss", choices=forward.POLICY_TARGET_LOSSES, default=TRAIN.mtp_loss,
+                   help="--mtp-target policy: the MTP head's loss against the policy's distribution: ce, the soft "
+                        "cross entropy, or tv, the total variation 1 - sum_v min(p, q), one minus the chance that a "
+                        "draft sampled from the head is accepted, so it maximises the acceptance directly (plus a "
+                        "small cross entropy, which steers a head far from the policy)")
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
                    help="MTP draft tokens per verify step, or auto: the k in 0..--max-speculative-tokens (0: no "
                         "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "
@@ -487,6 +492,12 @@ def sampling_problems(args):
     if args.data is not None and args.overlong_buffer > max_new_tokens:
         problems.append(f"--overlong-buffer {args.overlong_buffer}: expected at most --max-new-tokens "
                         f"{max_new_tokens}")
+    mtp_off = [flag for flag, on in (("--mtp-target sampled", args.mtp_target != "policy"),
+                                     ("--no-mtp-train", not args.mtp_train)) if on]
+    if args.mtp_loss != TRAIN.mtp_loss and mtp_off:
+        problems.append(f"--mtp-loss {args.mtp_loss}: the MTP head's loss against the policy's distribution, not "
+                        f"learnt with {' and '.join(mtp_off)}; expected --mtp-target policy with --mtp-train, or "
+                        "leave --mtp-loss out")
     if args.rollout_mask_low > args.rollout_mask_high:
         problems.append(f"--rollout-mask-low {args.rollout_mask_low} > --rollout-mask-high "
                         f"{args.rollout_mask_high}: expected low <= high")

@@ -18,8 +18,9 @@ How it stays right and cheap:
   its MTP targets go to the model explicitly (mtp_patch's MTP_TARGETS_ATTRIBUTE), as one
   shared slot predicts each member's own next tokens.
 - `mtp_target="policy"` has the MTP head learn the policy's own next-token distribution at
-  the sampling temperature instead of the sampled tokens (mtp_patch's item 9: the forward
-  runs inside `mtp_policy_target.policy_target(temperature)`, which the MTP loss reads).
+  the sampling temperature instead of the sampled tokens, by `mtp_policy_loss` (soft cross
+  entropy or total variation; mtp_patch's item 9: the forward runs inside
+  `mtp_policy_target.policy_target(temperature, loss)`, which the MTP loss reads).
 - `position_ids` reach the model only when MTP training is on. Megatron computes RoPE
   positions for THD itself from `packed_seq_params`; its MTP layers roll `input_ids` and
   `position_ids` and crash on `None`. (A vision model, which computes its own positions,
@@ -44,7 +45,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from cp_thd import ThdBatch, pack_shared_prefix, pack_thd
 from mtp_patch import MTP_TARGETS_ATTRIBUTE, patched
-from mtp_policy_target import policy_target
+from mtp_policy_target import POLICY_TARGET_LOSSES, policy_target
 
 # What the MTP head learns (`forward_logprobs`' mtp_target): the sampled next tokens, or the
 # policy's next-token distribution (soft targets).
@@ -127,8 +128,8 @@ def vocab_parallel_entropy(logits, group=None):
 
 
 def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1.0, with_entropy=False,
-                     mtp_train=False, mtp_target="sampled", gather=False, pad_id=0, pad_multiple=1,
-                     routed_experts=None, replay_routing=False, prefix_group_size=None):
+                     mtp_train=False, mtp_target="sampled", mtp_policy_loss="ce", gather=False, pad_id=0,
+                     pad_multiple=1, routed_experts=None, replay_routing=False, prefix_group_size=None):
     """Run `model` on packed sequences; return per-token next-token log-probs (and entropy).
 
     model: megatron-core GPTModel (post_process=True), built with THD-capable attention.
@@ -143,6 +144,9 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
       positions from packed_seq_params).
     mtp_target: with mtp_train, what the MTP head learns: "sampled", the token that follows,
       or "policy", the policy's own distribution there at `temperature` (mtp_patch.py's).
+    mtp_policy_loss: with policy targets, the loss against the policy's distribution (one of
+      mtp_policy_target.POLICY_TARGET_LOSSES): "ce", the soft cross entropy, or "tv", the
+      total variation, one minus the sampled draft's acceptance.
     gather: return [T_total] tensors in input order (all-gathered over the CP group; for
       logging) instead of this CP rank's [T_local] slots (for a loss computed on the shard).
     routed_experts: optional [T_total, moe_layers, top_k] int, the experts the rollout
@@ -159,7 +163,7 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; expected > 0")
-    _check_mtp_target(mtp_target, mtp_train)
+    _check_mtp_target(mtp_target, mtp_policy_loss, mtp_train)
     cp_group = parallel_state.get_context_parallel_group()
     seqlens = torch.as_tensor(seqlens, device=input_ids.device)
     labels, loss_mask = _labels_and_loss_mask(input_ids, seqlens, loss_mask)
@@ -170,7 +174,8 @@ def forward_logprobs(model, input_ids, seqlens, *, loss_mask=None, temperature=1
     local_mask = batch.pack(loss_mask)
 
     rope = _rope_at_positions(model, batch.position_ids) if shared else contextlib.nullcontext()
-    mtp_target_context = policy_target(temperature if mtp_train and mtp_target == "policy" else None)
+    mtp_target_context = policy_target(temperature if mtp_train and mtp_target == "policy" else None,
+                                       loss=mtp_policy_loss)
     with _rollout_routing(model, batch, routed_experts, replay_routing) as routing, rope, mtp_target_context:
         logits = _main_logits(model, batch, local_labels, local_mask, mtp_train).float() / temperature
     entropy, logprobs = _entropy_and_logprobs(logits, local_labels, local_mask, with_entropy)
@@ -202,12 +207,15 @@ def forward_stage(model, input_ids, seqlens, *, mtp_train=False, pad_id=0, pad_m
                  attention_mask=None, packed_seq_params=batch.packed_seq_params)
 
 
-def _check_mtp_target(mtp_target, mtp_train):
-    """Refuse an MTP target that is not one of MTP_TARGET_MODES, or policy targets that the
-    model's MTP loss would not read (megatron-core unpatched: it would train on the sampled
-    tokens without a word)."""
+def _check_mtp_target(mtp_target, mtp_policy_loss, mtp_train):
+    """Refuse an MTP target that is not one of MTP_TARGET_MODES, a loss against the policy
+    that is not one of POLICY_TARGET_LOSSES, or policy targets that the model's MTP loss
+    would not read (megatron-core unpatched: it would train on the sampled tokens without a
+    word)."""
     if mtp_target not in MTP_TARGET_MODES:
         raise ValueError(f"mtp_target={mtp_target!r}; expected one of {MTP_TARGET_MODES}")
+    if mtp_policy_loss not in POLICY_TARGET_LOSSES:
+        raise ValueError(f"mtp_policy_loss={mtp_policy_loss!r}; expected one of {POLICY_TARGET_LOSSES}")
     if mtp_train and mtp_target == "policy" and not patched():
         raise ValueError("mtp_target='policy' on an unpatched megatron-core: call mtp_patch.patch_megatron_mtp() "
                          "(its MTP loss reads the policy target)")

@@ -33,10 +33,12 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    slot's MTP output at that depth predicts, and the slot whose main output predicts that
    same label. The depth's loss is then sum(weights * CE(logits[rows], labels)) /
    sum(weights): a slot may carry several targets, and labels and mask are not rolled.
-9. Policy targets: inside `mtp_policy_target.policy_target(T)` (T > 0) depth d at
+9. Policy targets: inside `mtp_policy_target.policy_target(T, loss)` (T > 0) depth d at
    position i learns the policy's detached distribution softmax(z[i + d] / T) (z the main
-   logits, rolled like the labels or read at `policy_rows`) by a vocab-parallel soft cross
-   entropy (mtp_policy_target.py) under the sampled loss's weights and normalisation; one
+   logits, rolled like the labels or read at `policy_rows`) by a vocab-parallel loss
+   (mtp_policy_target.py): loss="ce", the soft cross entropy, or "tv", the total variation
+   1 - sum_v min(p, q) (with a small cross-entropy anchor), which maximises the draft
+   acceptance below directly; under the sampled loss's weights and normalisation; one
    more output-layer pass.
    `model.mtp_acceptance` then holds per depth the mean of sum_v min(p, q) over its tokens (p
    the policy's, q the head's distribution): a sampled draft's chance of acceptance.
@@ -57,7 +59,7 @@ import warnings
 
 import torch
 
-from mtp_policy_target import all_reduced, policy_target_temperature, soft_depth_loss
+from mtp_policy_target import all_reduced, policy_target_loss, policy_target_temperature, soft_depth_loss
 
 # Where each replaced function lives: (module, class or None for a module global, function).
 PATCHED_FUNCTIONS = (
@@ -382,7 +384,7 @@ def _make_process_mtp_loss(megatron, packed_roll):
         # megatron's forward carries no argument of the caller's to here.
         temperature = policy_target_temperature()
         depth_loss, overlaps = (compute_language_model_loss, None) if temperature is None else soft_depth_loss(
-            temperature, logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
+            temperature, policy_target_loss(), logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
             parallel_state.get_tensor_model_parallel_group())
         acceptance = None if overlaps is None else torch.zeros_like(losses)
         for depth in range(num_layers):

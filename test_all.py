@@ -204,7 +204,8 @@ MTP_POLICY_TOLERANCE = 1e-6
 MTP_POLICY_LOGIT_SCALE = 10.0
 
 
-def _mtp_policy_forward_backward(model, batch, mtp_target="policy", prefix_group_size=None, by_hand=False):
+def _mtp_policy_forward_backward(model, batch, mtp_target="policy", prefix_group_size=None, by_hand=False,
+                                 mtp_policy_loss="ce"):
     """forward_logprobs with MTP training on `batch` (input_ids, seqlens, loss_mask, _), then
     the backward of the MTP loss alone (the main log-probs x 0): the per-depth MTP losses,
     every gradient (None where none arrived) and, with `by_hand`, `_mtp_policy_loss_by_hand`'s."""
@@ -215,10 +216,10 @@ def _mtp_policy_forward_backward(model, batch, mtp_target="policy", prefix_group
     try:
         out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask,
                                        temperature=MTP_POLICY_TEMPERATURE, mtp_train=True, mtp_target=mtp_target,
-                                       prefix_group_size=prefix_group_size)
+                                       mtp_policy_loss=mtp_policy_loss, prefix_group_size=prefix_group_size)
     finally:
         hook.remove()
-    expected = _mtp_policy_loss_by_hand(model, out, batch, captured[-1]) if by_hand else None
+    expected = _mtp_policy_loss_by_hand(model, out, batch, captured[-1], mtp_policy_loss) if by_hand else None
     (out.logprobs * 0).sum().backward()
     return {"mtp_losses": model.mtp_losses.clone(), "by_hand": expected, "forward_acceptance": out.mtp_acceptance,
             "mtp_acceptance": None if model.mtp_acceptance is None else model.mtp_acceptance.clone(),
@@ -226,13 +227,14 @@ def _mtp_policy_forward_backward(model, batch, mtp_target="policy", prefix_group
                       for name, param in model.named_parameters()}}
 
 
-def _mtp_policy_loss_by_hand(model, out, batch, block_output):
+def _mtp_policy_loss_by_hand(model, out, batch, block_output, mtp_policy_loss="ce"):
     """The policy-target MTP loss in plain torch from the MTP block's output [trunk; depth 1;
     ...; depth n] ([(1 + n) T, 1, h], one sequence after another): depth d's loss is, over
     each sequence's tokens i that have a token i + d + 1, sum(mask[i + d] * -sum_v p(v) log
     q(v)) / max(1, sum(mask[i + d])), with p = softmax(main logits[i + d] / T) and q =
-    softmax(depth-d logits[i] / T); its draft acceptance the same mean of sum_v min(p(v),
-    q(v)). Returns {"losses": [n], "acceptance": [n], "grads": the MTP layers' gradient
+    softmax(depth-d logits[i] / T) (`mtp_policy_loss` "tv": 0.5 sum_v |p(v) - q(v)| plus
+    the anchor x that cross entropy, per token); its draft acceptance the same mean of
+    sum_v min(p(v), q(v)). Returns {"losses": [n], "acceptance": [n], "grads": the MTP layers' gradient
     of scale / n x their sum (megatron's weighting), "logprob_error": how far the main
     logits by hand give the forward's log-probs, relative to the largest}."""
     input_ids, seqlens, loss_mask, _ = batch
@@ -253,7 +255,11 @@ def _mtp_policy_loss_by_hand(model, out, batch, block_output):
             policy = torch.softmax(main[start + depth:end - 1], -1)
             log_head = torch.log_softmax(head[start:max(start, end - depth - 1)], -1)
             weights = mask[start + depth:end - 1]
-            total = total + (weights * -(policy * log_head).sum(-1)).sum()
+            token_loss = -(policy * log_head).sum(-1)
+            if mtp_policy_loss == "tv":
+                token_loss = (0.5 * (policy - log_head.exp()).abs().sum(-1)
+                              + mtp_policy_target.TV_CROSS_ENTROPY_ANCHOR * token_loss)
+            total = total + (weights * token_loss).sum()
             overlap = overlap + (weights * torch.minimum(policy, log_head.exp()).sum(-1)).sum()
             count = count + weights.sum()
         losses.append(total / count.clamp(min=1))
@@ -292,6 +298,7 @@ def _mtp_policy_measurements(checkpoint):
         model.output_layer.weight.mul_(MTP_POLICY_LOGIT_SCALE)
     packed, grouped = _forward_batch(vocab_size=tiny_model.VOCAB_SIZE), _grouped_batch(vocab_size=tiny_model.VOCAB_SIZE)
     results = {"packed": _mtp_policy_forward_backward(model, packed, by_hand=True),
+               "packed tv": _mtp_policy_forward_backward(model, packed, by_hand=True, mtp_policy_loss="tv"),
                "sampled": _mtp_policy_forward_backward(model, packed, mtp_target="sampled"),
                "unshared": _mtp_policy_forward_backward(model, grouped, by_hand=True),
                "shared": _mtp_policy_forward_backward(model, grouped, prefix_group_size=SHARED_GROUP_SIZE)}
@@ -311,7 +318,48 @@ def _mtp_policy_measurements(checkpoint):
                                                                              prefix_group_size=SHARED_GROUP_SIZE)
     finally:
         forward.mtp_targets = original
+    results["training"] = {loss: _mtp_head_training(model, packed, loss) for loss in ("ce", "tv")}
+    anchor = mtp_policy_target.TV_CROSS_ENTROPY_ANCHOR
+    mtp_policy_target.TV_CROSS_ENTROPY_ANCHOR = 0.0
+    try:
+        results["training"]["tv without its anchor"] = _mtp_head_training(model, packed, "tv")
+    finally:
+        mtp_policy_target.TV_CROSS_ENTROPY_ANCHOR = anchor
     return results
+
+
+# A few Adam steps on the MTP layers alone, from the random head of `_mtp_policy_measurements`
+# (far from its sharpened policy: a cold head).
+MTP_TRAINING_STEPS = 6
+
+
+MTP_TRAINING_LR = 1e-3
+
+
+def _mtp_head_training(model, batch, mtp_policy_loss):
+    """The first MTP layer's draft acceptance (forward_logprobs' mtp_acceptance) on `batch`
+    before each of MTP_TRAINING_STEPS Adam steps of the MTP layers by `mtp_policy_loss`, and
+    after the last: [MTP_TRAINING_STEPS + 1] floats. The model's weights are back as they
+    were when it returns."""
+    input_ids, seqlens, loss_mask, _ = batch
+    saved = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizer = torch.optim.Adam([param for name, param in model.named_parameters() if name.startswith("mtp.")],
+                                 lr=MTP_TRAINING_LR)
+    acceptance = []
+    while True:
+        model.zero_grad(set_to_none=True)
+        out = forward.forward_logprobs(model, input_ids, seqlens, loss_mask=loss_mask,
+                                       temperature=MTP_POLICY_TEMPERATURE, mtp_train=True, mtp_target="policy",
+                                       mtp_policy_loss=mtp_policy_loss)
+        acceptance.append(float(out.mtp_acceptance))
+        if len(acceptance) > MTP_TRAINING_STEPS:
+            break
+        (out.logprobs * 0).sum().backward()  # the MTP loss rides along
+        optimizer.step()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(saved[name])
+    return acceptance
 
 
 @pytest.fixture(scope="module")
@@ -1291,6 +1339,84 @@ def test_mtp_policy_target_context_states_the_target_until_its_block_ends():
             pass
 
 
+def test_mtp_policy_target_context_carries_its_loss_and_refuses_an_unknown_one():
+    assert mtp_policy_target.policy_target_loss() == "ce"
+    with mtp_policy_target.policy_target(0.7, loss="tv"):
+        assert mtp_policy_target.policy_target_loss() == "tv"
+        assert mtp_policy_target.policy_target_temperature() == 0.7
+        with mtp_policy_target.policy_target(None):
+            assert mtp_policy_target.policy_target_loss() == "ce"
+        assert mtp_policy_target.policy_target_loss() == "tv"
+    assert mtp_policy_target.policy_target_loss() == "ce"
+    for loss in ("kl", "TV", None):
+        with pytest.raises(ValueError, match=rf"policy_target\(loss={loss!r}\): expected one of \('ce', 'tv'\)"), \
+                mtp_policy_target.policy_target(0.7, loss=loss):
+            pass
+    assert mtp_policy_target.policy_target_loss() == "ce"
+
+
+# The vocabulary of the total-variation test (split over two ranks).
+TV_TEST_VOCAB = 2 * 37
+
+
+def _total_variation_against_autograd():
+    """VocabParallelTotalVariation on this rank's vocabulary shard (the TP group: the world)
+    and on the whole vocabulary (no group), against 0.5 * |p - q|.sum() + the anchor x the
+    soft cross entropy on the full-vocabulary softmax with autograd, fp32, under a random
+    upstream gradient: {"reference", "whole", "split": (loss [4, 5], overlap [4, 5], this
+    rank's gradient shard), "entropy": the policy's [4, 5], "cold gradients": row 1's
+    gradient of the total variation alone and of the anchor alone}. Rows: random logits,
+    but row 0 the head equal to the policy (q == p) and row 1 a cold head (q uniform, p sharp)."""
+    rank, world_size, _ = cpu_backend.init_distributed()
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(4, 5, TV_TEST_VOCAB, generator=generator)
+    target = 3 * torch.randn(4, 5, TV_TEST_VOCAB, generator=generator)
+    logits[0] = target[0]
+    logits[1], target[1] = 0.0, 10 * target[1]
+    upstream = torch.randn(4, 5, generator=generator)
+    reference_logits = logits.clone().requires_grad_()
+    p, q = torch.softmax(target, -1), torch.softmax(reference_logits, -1)
+    parts = (0.5 * (p - q).abs().sum(-1),
+             mtp_policy_target.TV_CROSS_ENTROPY_ANCHOR * -(p * torch.log_softmax(reference_logits, -1)).sum(-1))
+    cold = [torch.autograd.grad(part[1].sum(), reference_logits, retain_graph=True)[0][1] for part in parts]
+    reference = parts[0] + parts[1]
+    (reference * upstream).sum().backward()
+    shard = slice(rank * TV_TEST_VOCAB // world_size, (rank + 1) * TV_TEST_VOCAB // world_size)
+    results = {"reference": (reference.detach(), torch.minimum(p, q.detach()).sum(-1),
+                             reference_logits.grad[..., shard]),
+               "entropy": -(p * torch.log_softmax(target, -1)).sum(-1), "cold gradients": cold}
+    for name, group, part in (("whole", None, slice(None)), ("split", torch.distributed.group.WORLD, shard)):
+        ours = logits[..., part].clone().requires_grad_()
+        loss, overlap = mtp_policy_target.VocabParallelTotalVariation.apply(ours, target[..., part], group)
+        (loss * upstream).sum().backward()
+        results[name] = (loss.detach(), overlap, ours.grad[..., shard] if group is None else ours.grad)
+    return results
+
+
+def test_mtp_policy_target_total_variation_and_its_gradient_equal_autograd_whole_and_split_over_tp(
+        two_rank_policy_target):
+    for rank, results in enumerate(measured["total variation"] for measured in two_rank_policy_target):
+        loss, overlap, grad = results["reference"]
+        for name in ("whole", "split"):
+            ours_loss, ours_overlap, ours_grad = results[name]
+            print(f"rank {rank}, {name}: loss {(ours_loss - loss).abs().max():.1e}, overlap "
+                  f"{(ours_overlap - overlap).abs().max():.1e}, gradient {(ours_grad - grad).abs().max():.1e} from "
+                  "autograd")
+            torch.testing.assert_close(ours_loss, loss, rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours_overlap, overlap, rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours_grad, grad, rtol=0, atol=1e-6)
+        assert grad.abs().max() > 1e-2 and ((0.005 < overlap[2:]) & (overlap[2:] < 0.95)).all()
+        # q == p everywhere: the total variation 0 (all that is left is the anchor), no gradient.
+        assert (overlap[0] - 1).abs().max() < 1e-6 and results["split"][2][0].abs().max() < 1e-7
+        tv_part = loss[0] - mtp_policy_target.TV_CROSS_ENTROPY_ANCHOR * results["entropy"][0]
+        assert tv_part.abs().max() < 1e-6
+    # A cold head: the total variation's own gradient is a fraction of the anchor's.
+    tv_only, anchor_only = results["cold gradients"]
+    print(f"cold head: largest gradient of the total variation {tv_only.abs().max():.3f}, of the anchor "
+          f"{anchor_only.abs().max():.3f}")
+    assert tv_only.abs().max() < 0.3 * anchor_only.abs().max()
+
+
 def _policy_logits_rolled_across_ranks():
     """Each rank (CP = the world size): random [T, V] logits of a packed batch rolled by
     `mtp_policy_target.policy_target_logits` for depths 1 and 2 with the installed roll,
@@ -1315,9 +1441,21 @@ def _policy_logits_rolled_across_ranks():
     return ours, by_hand
 
 
+def _two_rank_measurements():
+    """One two-process run serves the roll at CP 2 and the total variation at TP 2."""
+    return {"roll": _policy_logits_rolled_across_ranks(), "total variation": _total_variation_against_autograd()}
+
+
+@pytest.fixture(scope="module")
+def two_rank_policy_target():
+    return run_in_processes(_two_rank_measurements, world_size=2)
+
+
 @pytest.mark.parametrize("cp_size", [1, 2])
-def test_mtp_policy_target_logits_roll_exactly_like_the_labels_across_ranks(cp_size):
-    for ours, by_hand in run_in_processes(_policy_logits_rolled_across_ranks, world_size=cp_size):
+def test_mtp_policy_target_logits_roll_exactly_like_the_labels_across_ranks(cp_size, request):
+    ranks = (run_in_processes(_policy_logits_rolled_across_ranks) if cp_size == 1
+             else [rank["roll"] for rank in request.getfixturevalue("two_rank_policy_target")])
+    for ours, by_hand in ranks:
         assert all(torch.equal(rolled, expected) for rolled, expected in zip(ours, by_hand))
         assert not torch.equal(ours[1], by_hand[0])  # depth 2 rolls twice
 
@@ -1343,6 +1481,34 @@ def test_mtp_policy_target_loss_equals_a_soft_cross_entropy_by_hand(mtp_policy_r
     assert packed["forward_acceptance"] == packed["mtp_acceptance"][0]
     assert mtp_policy_results["sampled"]["mtp_acceptance"] is None
     assert mtp_policy_results["sampled"]["forward_acceptance"] is None
+
+
+def test_mtp_policy_target_total_variation_loss_through_megatron_equals_the_loss_by_hand(mtp_policy_results):
+    tv, ce = mtp_policy_results["packed tv"], mtp_policy_results["packed"]
+    by_hand = tv["by_hand"]
+    loss_error = _relative_difference(tv["mtp_losses"], by_hand["losses"])
+    grad_error = _relative_difference(tv["grads"], by_hand["grads"])
+    print(f"--mtp-loss tv, 7 packed sequences, 2 depths: losses {tv['mtp_losses'].tolist()}, relative to the loss "
+          f"by hand {loss_error:.1e} apart, MTP gradients {grad_error:.1e}")
+    assert loss_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
+    # Not the soft cross entropy under another name; the same acceptance meter.
+    assert (tv["mtp_losses"] - ce["mtp_losses"]).abs().min() > 1e-2
+    assert _relative_difference(tv["grads"], ce["grads"]) > 1e-2
+    torch.testing.assert_close(tv["mtp_acceptance"], by_hand["acceptance"], rtol=0, atol=1e-6)
+    assert torch.equal(tv["mtp_acceptance"], ce["mtp_acceptance"])
+    trunk = [grad for name, grad in tv["grads"].items() if not name.startswith("mtp.") and grad is not None]
+    assert not any(grad.any() for grad in trunk)
+
+
+def test_mtp_policy_target_adam_steps_on_the_head_raise_the_acceptance_by_either_loss(mtp_policy_results):
+    training = mtp_policy_results["training"]
+    for loss, acceptance in training.items():
+        print(f"--mtp-loss {loss}: draft acceptance over {MTP_TRAINING_STEPS} Adam steps of the MTP layers "
+              f"{[round(value, 3) for value in acceptance]}")
+    for loss in ("ce", "tv"):
+        assert training[loss][0] < 0.05 and training[loss][-1] > 0.5  # a cold head, then most drafts accepted
+    # The anchor is what moves a cold head (mtp_policy_target.VocabParallelTotalVariation).
+    assert training["tv"][-1] > training["tv without its anchor"][-1] + 0.2
 
 
 def test_mtp_policy_target_trains_only_mtp_layers(mtp_policy_results):
@@ -3997,7 +4163,7 @@ def _run_config(given=(), world_size=1):
     return run_configs.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
 
 
-def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_rest(uninterrupted_run):
+def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_rest(uninterrupted_run, tmp_path):
     out = uninterrupted_run[0]
     directory = os.path.join(out, "checkpoints", "step_000005")
     same = ["--out", out, *SHORT_RUN]
@@ -4011,6 +4177,17 @@ def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_
         f"--resume auto: {directory} is another run: --group-size 4 (was 8), --loss-agg "
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
         "and another --out")
+    # The MTP head's loss makes another run; a checkpoint saved before --mtp-loss existed ran ce.
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss tv \(was ce\)"):
+        checkpoint.resume_changes(directory, vars(_settings(same + ["--mtp-loss", "tv"], 2)))
+    older = tmp_path / "step_000005"
+    older.mkdir()
+    meta = checkpoint.read_meta(directory)
+    del meta["flags"]["mtp_loss"]
+    (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
+    assert checkpoint.resume_changes(str(older), vars(_settings(same, 2))) == ""
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss tv \(was ce\)"):
+        checkpoint.resume_changes(str(older), vars(_settings(same + ["--mtp-loss", "tv"], 2)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -5171,6 +5348,8 @@ def test_forward_refuses_an_unknown_mtp_target_and_policy_targets_megatron_would
     # Refused before the model is touched.
     with pytest.raises(ValueError, match=r"mtp_target='soft'; expected one of \('sampled', 'policy'\)"):
         forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="soft")
+    with pytest.raises(ValueError, match=r"mtp_policy_loss='kl'; expected one of \('ce', 'tv'\)"):
+        forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="policy", mtp_policy_loss="kl")
     monkeypatch.setattr(forward, "patched", lambda: False)
     with pytest.raises(ValueError, match="mtp_target='policy' on an unpatched megatron-core"):
         forward.forward_logprobs(None, ids, [3], mtp_train=True, mtp_target="policy")
@@ -6004,11 +6183,12 @@ def test_trainer_micro_batch_passes_its_mtp_target_on(monkeypatch):
     policy = trainer.Policy(model=torch.nn.Linear(1, 1), ddp_model=None, optimizer=None)
     sample = {"prompt_ids": [3, 4], "response_ids": [5, 6], "advantages": torch.ones(2), "rollout_logprobs": [-1.0, -1.0],
               "group": 0}
-    assert trainer.TrainConfig().mtp_target == "policy"
-    for target in ("policy", "sampled"):
+    assert trainer.TrainConfig().mtp_target == "policy" and trainer.TrainConfig().mtp_loss == "ce"
+    for target, loss in (("policy", "ce"), ("sampled", "ce"), ("policy", "tv")):
         with pytest.raises(Reached):
-            trainer.micro_batch_loss(policy, [sample], 1, 2, trainer.TrainConfig(mtp_target=target), sums={})
-        assert received["mtp_target"] == target and received["mtp_train"]
+            trainer.micro_batch_loss(policy, [sample], 1, 2, trainer.TrainConfig(mtp_target=target, mtp_loss=loss),
+                                     sums={})
+        assert received["mtp_target"] == target and received["mtp_policy_loss"] == loss and received["mtp_train"]
 
 
 def _rank_shares():
@@ -6658,6 +6838,22 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-target", "soft"])
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
+
+
+def test_flags_mtp_loss_reaches_the_train_config_and_is_refused_where_nothing_reads_it():
+    assert flags.parse_args([]).mtp_loss == trainer.TrainConfig().mtp_loss == "ce"
+    settings = flags.check_args(flags.parse_args(["--mtp-loss", "tv"]), world_size=2)
+    assert run_configs.train_config(settings).mtp_loss == "tv"
+    with pytest.raises(SystemExit) as refused:
+        flags.parse_args(["--mtp-loss", "kl"])
+    assert "train_grpo.py: argument --mtp-loss: invalid choice: 'kl' (choose from 'ce', 'tv')" in str(
+        refused.value.code)
+    for off in (["--mtp-target", "sampled"], ["--no-mtp-train"]):
+        with pytest.raises(SystemExit) as refused:
+            flags.check_args(flags.parse_args(["--mtp-loss", "tv", *off]), world_size=2)
+        assert (f"--mtp-loss tv: the MTP head's loss against the policy's distribution, not learnt with "
+                f"{' '.join(off)}; expected --mtp-target policy with --mtp-train") in str(refused.value.code)
+        flags.check_args(flags.parse_args(off), world_size=2)  # the default loss is no request
 
 
 # (flags, the model has MTP layers, the settled (mtp_rollout, auto_draft, draft_tokens)) by

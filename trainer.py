@@ -74,6 +74,10 @@ class TrainConfig:
     # "policy": on the walk task its drafts were accepted more (docs/RESULTS.md), for one
     # more output-layer pass per forward.
     mtp_target: str = "policy"
+    # With "policy" targets, the loss against the policy's distribution
+    # (mtp_policy_target.POLICY_TARGET_LOSSES): "ce", the soft cross entropy, or "tv", the
+    # total variation, one minus a sampled draft's acceptance (with a small CE anchor).
+    mtp_loss: str = "ce"
     # ZeRO-1: each data-parallel rank keeps 1/DP of the fp32 main weights and Adam states
     # (megatron-core's DistributedOptimizer; the experts' over their own data-parallel group).
     distributed_optimizer: bool = False
@@ -403,6 +407,7 @@ def micro_batch_loss(policy, samples, num_sequences, num_tokens, config, sums, m
     weights = grpo_loss.token_weights(loss_mask, seqlens, config.loss.loss_agg, num_sequences, num_tokens)
     out = forward_logprobs(policy.model, input_ids, seqlens, loss_mask=loss_mask, temperature=config.temperature,
                            with_entropy=True, mtp_train=config.mtp_train, mtp_target=config.mtp_target,
+                           mtp_policy_loss=config.mtp_loss,
                            **forward_options(samples, config, device))
     batch, local_mask = out.batch, out.loss_mask
     # One optimizer step per rollout batch: this forward is the policy that sampled it.
