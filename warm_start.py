@@ -22,7 +22,7 @@ stamp is written last, so an interrupted stage is never mistaken for a finished 
 stage runs in one process, whatever the caller's layout, so every run gets the same model.
 
 Imports torch, megatron-core (through trainer), transformers (the tokenizer) and the
-project's tasks, trainer, grpo_loss, hf_weights, mtp_patch and cpu_backend.
+project's tasks, trainer, grpo_loss, hf_weights, mtp_patch, mtp_policy_target and cpu_backend.
 """
 
 import argparse
@@ -40,6 +40,7 @@ import torch
 import grpo_loss
 import hf_weights
 import mtp_patch
+import mtp_policy_target
 import tasks
 import trainer
 from cpu_backend import init_distributed, init_model_parallel
@@ -63,13 +64,13 @@ class WarmStartConfig:
     answers_per_step: int = 32        # drawn from the pool, a fixed seed per step
     lr: float = 1e-3                  # Adam's; the deep model learns count's rule at this rate
     seed: int = 0
-    mtp_loss: str = "ce"              # the MTP head's loss against the policy (trainer.TrainConfig.mtp_loss)
+    mtp_loss: str = trainer.TrainConfig.mtp_loss  # the MTP head's loss against the policy, as in RL
 
 
 def train_config(config):
     """The trainer's settings for cross entropy: advantages 1, one optimizer step a batch, no
     entropy bonus, no truncated IS (the samples carry no rollout log-probs)."""
-    return trainer.TrainConfig(lr=config.lr,
+    return trainer.TrainConfig(lr=config.lr, mtp_loss=config.mtp_loss,
                                loss=grpo_loss.LossConfig(tis_cap=0.0, entropy_coef=0.0))
 
 
@@ -162,7 +163,8 @@ def main():
                         help="answers in each step's batch, drawn from the training pool")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the batches' draws")
-    parser.add_argument("--mtp-loss", default=defaults.mtp_loss, help="the MTP head's loss (train_grpo's --mtp-loss)")
+    parser.add_argument("--mtp-loss", choices=mtp_policy_target.POLICY_TARGET_LOSSES, default=defaults.mtp_loss,
+                        help="the MTP head's loss against the policy (train_grpo's --mtp-loss)")
     args = parser.parse_args()
     config = WarmStartConfig(task=args.task, steps=args.steps, answers_per_step=args.answers_per_step, lr=args.lr,
                              seed=args.seed, mtp_loss=args.mtp_loss)
