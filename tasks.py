@@ -433,17 +433,22 @@ def count_credits(start_id, response_ids, successors):
     return [float(successors.get(before) == token) for before, token in zip(previous, response_ids)]
 
 
+def either_case_ids(tokenizer, text, task, alphabet):
+    """{the ids of `text` and of its upper case}, each one token; else an InputError saying
+    that --task `task` needs each of `alphabet` to be one token."""
+    encoded = [tokenizer.encode(case, add_special_tokens=False) for case in sorted({text, text.upper()})]
+    if any(len(case_ids) != 1 for case_ids in encoded):
+        raise InputError(f"--task {task} needs each of {alphabet!r} (and its upper case) to be one token; "
+                         f"{tokenizer.name_or_path}'s tokenizer encodes {text!r} as {encoded}")
+    return {case_ids[0] for case_ids in encoded}
+
+
 @functools.lru_cache(maxsize=None)
 def walk_successors(tokenizer):
     """{token id of a chain symbol (a letter in either case): the ids that earn credit after
     it}: the next symbol in either case, EOS after the last. Cached per tokenizer."""
     def ids(symbol):
-        cases = {symbol, symbol.upper()}
-        encoded = [tokenizer.encode(case, add_special_tokens=False) for case in sorted(cases)]
-        if any(len(case_ids) != 1 for case_ids in encoded):
-            raise InputError(f"--task walk needs each of {WALK_CHAIN!r} (and its upper case) to be one token; "
-                             f"{tokenizer.name_or_path}'s tokenizer encodes {symbol!r} as {encoded}")
-        return {case_ids[0] for case_ids in encoded}
+        return either_case_ids(tokenizer, symbol, "walk", WALK_CHAIN)
     successors = {}
     for index, symbol in enumerate(WALK_CHAIN):
         after = ids(WALK_CHAIN[index + 1]) if index + 1 < len(WALK_CHAIN) else {tokenizer.eos_token_id}
@@ -465,11 +470,7 @@ def tail_successors(tokenizer):
     rule: a letter (either case) after (letter, digit), the same letter or after a 9 the
     next (EOS after "z9"); the digit after (digit, letter) counts up from it. Cached."""
     def ids(text):
-        encoded = [tokenizer.encode(case, add_special_tokens=False) for case in sorted({text, text.upper()})]
-        if any(len(case_ids) != 1 for case_ids in encoded):
-            raise InputError(f"--task tail needs each of {TAIL_LETTERS + DIGITS!r} (and each letter's upper case) to "
-                             f"be one token; {tokenizer.name_or_path}'s tokenizer encodes {text!r} as {encoded}")
-        return {case_ids[0] for case_ids in encoded}
+        return either_case_ids(tokenizer, text, "tail", TAIL_LETTERS + DIGITS)
     successors = {}
     for index, letter in enumerate(TAIL_LETTERS):
         for digit in DIGITS:
