@@ -4178,16 +4178,16 @@ def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_
         "seq-mean-token-sum (was token-mean); resume with the values it was saved with, or pass --resume never "
         "and another --out")
     # The MTP head's loss makes another run; a checkpoint saved before --mtp-loss existed ran ce.
-    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss ce \(was tv\)"):
-        checkpoint.resume_changes(directory, vars(_settings(same + ["--mtp-loss", "ce"], 2)))
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss tv \(was ce\)"):
+        checkpoint.resume_changes(directory, vars(_settings(same + ["--mtp-loss", "tv"], 2)))
     older = tmp_path / "step_000005"
     older.mkdir()
     meta = checkpoint.read_meta(directory)
     del meta["flags"]["mtp_loss"]
     (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
-    assert checkpoint.resume_changes(str(older), vars(_settings(same + ["--mtp-loss", "ce"], 2))) == ""
+    assert checkpoint.resume_changes(str(older), vars(_settings(same, 2))) == ""
     with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --mtp-loss tv \(was ce\)"):
-        checkpoint.resume_changes(str(older), vars(_settings(same, 2)))
+        checkpoint.resume_changes(str(older), vars(_settings(same + ["--mtp-loss", "tv"], 2)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -6841,17 +6841,17 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
 
 
 def test_flags_mtp_loss_reaches_the_train_config_and_is_refused_where_nothing_reads_it():
-    assert flags.parse_args([]).mtp_loss == trainer.TrainConfig().mtp_loss == "tv"
-    settings = flags.check_args(flags.parse_args(["--mtp-loss", "ce"]), world_size=2)
-    assert run_configs.train_config(settings).mtp_loss == "ce"
+    assert flags.parse_args([]).mtp_loss == trainer.TrainConfig().mtp_loss == "ce"
+    settings = flags.check_args(flags.parse_args(["--mtp-loss", "tv"]), world_size=2)
+    assert run_configs.train_config(settings).mtp_loss == "tv"
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-loss", "kl"])
     assert "train_grpo.py: argument --mtp-loss: invalid choice: 'kl' (choose from 'ce', 'tv')" in str(
         refused.value.code)
     for off in (["--mtp-target", "sampled"], ["--no-mtp-train"]):
         with pytest.raises(SystemExit) as refused:
-            flags.check_args(flags.parse_args(["--mtp-loss", "ce", *off]), world_size=2)
-        assert (f"--mtp-loss ce: the MTP head's loss against the policy's distribution, not learnt with "
+            flags.check_args(flags.parse_args(["--mtp-loss", "tv", *off]), world_size=2)
+        assert (f"--mtp-loss tv: the MTP head's loss against the policy's distribution, not learnt with "
                 f"{' '.join(off)}; expected --mtp-target policy with --mtp-train") in str(refused.value.code)
         flags.check_args(flags.parse_args(off), world_size=2)  # the default loss is no request
 

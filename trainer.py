@@ -76,10 +76,10 @@ class TrainConfig:
     mtp_target: str = "policy"
     # With "policy" targets, the loss against the policy's distribution
     # (mtp_policy_target.POLICY_TARGET_LOSSES): "ce", the soft cross entropy, or "tv", the
-    # total variation, one minus a sampled draft's acceptance (with a small CE anchor). "tv":
-    # on the tail task its drafts were accepted a little more at every depth, 3 seeds
-    # (docs/RESULTS.md).
-    mtp_loss: str = "tv"
+    # total variation, one minus a sampled draft's acceptance (with a small CE anchor). "ce":
+    # on the tail task a head trained with "tv" from its supervised start on was accepted far
+    # less at depths 2 and 3, where vLLM reuses the one MTP layer (docs/RESULTS.md).
+    mtp_loss: str = "ce"
     # ZeRO-1: each data-parallel rank keeps 1/DP of the fp32 main weights and Adam states
     # (megatron-core's DistributedOptimizer; the experts' over their own data-parallel group).
     distributed_optimizer: bool = False
