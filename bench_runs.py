@@ -446,18 +446,20 @@ def rl_band_totals(records):
     return totals
 
 
-def rl_oracle_speedup(none, fixed_runs):
+def rl_oracle_speedup(none, fixed_runs, engines):
     """The rollout phase's gain of the best fixed k per band in hindsight: the none run's
     rollout phase over the same with each band's seconds at the fastest speed (tokens/s)
-    any of `fixed_runs` (k = 1, 2, 3) or none ran that band at."""
+    any of `fixed_runs` (k = 1, 2, 3) or none ran that band at. The bands' seconds are
+    summed over the `engines` engines that decode side by side: the phase's wall clock
+    saves their mean."""
     phase = rl_phase_seconds(none, ("tune", "rollout"))
-    oracle = phase
+    saved = 0.0
     speeds = [rl_band_totals(records) for records in fixed_runs]
     for label, (tokens, seconds) in rl_band_totals(none).items():
         fastest = max([tokens / seconds] + [run[label][0] / run[label][1] for run in speeds
                                             if label in run and run[label][1] > 0])
-        oracle -= seconds - tokens / fastest
-    return phase / oracle
+        saved += seconds - tokens / fastest
+    return phase / (phase - saved / engines)
 
 
 def rl_acceptance_by_depth(records):
@@ -544,7 +546,7 @@ def row_rl_drafting():
     train_grpo_run(os.path.join(RL_RUN_DIR, "warm"), (*RL_FLAGS, "--steps", "1", "--no-mtp-rollout"))
     rounds, walls = zip(*(rl_round(number, dict(RL_VARIANTS, **(RL_ORACLE_VARIANTS if number == 1 else {})))
                           for number in range(1, RL_ROUNDS + 1)))
-    oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS])
+    oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS], OUR_PROCESSES)
     plot_rl_drafting([{name: runs[name] for name in RL_VARIANTS} for runs in rounds], RL_PLOT)
     rows = [rl_round_row(number, runs, round_walls, oracle)
             for number, (runs, round_walls) in enumerate(zip(rounds, walls), 1)]
