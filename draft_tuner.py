@@ -267,13 +267,30 @@ class DraftTuner:
 
     def _bands_due(self):
         """Whether a band a try reached has a candidate to measure, while PLAIN has not beaten
-        the bands' fastest k by more than ELIMINATION_MARGIN with every candidate measured."""
-        if not self._unmeasured_bands():
+        the bands' fastest k by more than ELIMINATION_MARGIN with every candidate measured,
+        nor beaten any schedule's bound (`_plain_cannot_lose`)."""
+        if not self._unmeasured_bands() or (None in self.tried and self._plain_cannot_lose()):
             return False
         if self._unmeasured_bands(least=1) or None not in self.tried:
             return True
         _, drafting_seconds, plain_seconds = self._schedule_seconds()
         return not (drafting_seconds and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds)
+
+    def _plain_cannot_lose(self):
+        """Whether PLAIN beats every schedule the tries could still find by more than
+        ELIMINATION_MARGIN: the bands PLAIN ran take longer than that at their fastest k,
+        even with the other bands free, than PLAIN's whole rollout at most (those bands at
+        their k = 0 speed, which PLAIN's idle draft beats). A band a try reaches now and then
+        (a few sequences ending early) opens candidates of its own, but cannot buy back a
+        loss in the bands that hold the tokens; None where a band never ran k = 0."""
+        _, drafting_seconds, plain_seconds = self._schedule_seconds()
+        plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
+        for band, tokens in enumerate(self.band_tokens):
+            if tokens and not plain[band]:
+                if not no_draft[band]:
+                    return False
+                plain_seconds += tokens / no_draft[band]
+        return bool(plain_seconds) and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds
 
     def _tries_left(self):
         """Whether a try is due (PLAIN or a band's), within `rounds` x (2 + the deepest k) tries."""

@@ -2093,11 +2093,12 @@ def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_h
     assert tuner.acceptance == pytest.approx([0.7, 0.525, 0.2625])
     tuner.observe_estimate(None)  # a step without an estimate changes nothing
     assert tuner.acceptance == pytest.approx([0.7, 0.525, 0.2625])
-    # The rest of the tries (k = 0, 1, 2, 3), the plain engine fastest: nothing drafts after.
+    # The rest of the tries (k = 0, 1, 2, 3), each 10% slower than the plain engine (within
+    # ELIMINATION_MARGIN: all tried): nothing drafts after.
     for step, variant in zip(range(2, 6), [0, 1, 2, 3]):
         schedule, checked = tuner.plan(step, check, 5, 50, drafting=False)
         assert schedule == [variant] and checked is None
-        tuner.after_rollout(schedule, {0: (100, 2.0)},
+        tuner.after_rollout(schedule, {0: (100, 1.1)},
                             _acceptance_statistics([0.9, 0.45, 0.45][:variant]) if variant else None)
         tuner.observe_estimate(0.6)
     # k = 3's rollout drafted: its counts stand, the estimate after it changes nothing.
@@ -2214,12 +2215,33 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
         assert tried == [None, [0] * 4, [1] * 4, None, [0] * 4, None, [1] * 4, [0] * 4, [1] * 4]
         expected = horizon + 3 * (2 / 1.8 - 1)
     else:
-        # k = 0 and 1 at 0.8 of PLAIN, k = 2 at 2.44 / 3.25 = 0.75; PLAIN 25% faster than the
-        # bands' best: drafting is dropped whole once each band measured its candidates.
-        assert tried == [None, [0] * 4, [1] * 4, [2] * 4]
-        expected = horizon + 2 * 0.25 + (3.25 / 2.44 - 1)
+        # k = 0 at 0.8 of PLAIN: the bands PLAIN ran take 25% longer at their fastest k than
+        # PLAIN's whole rollout, so no schedule can win and drafting is dropped whole after
+        # one band try (`_plain_cannot_lose`).
+        assert tried == [None, [0] * 4]
+        expected = horizon + 0.25
     assert seconds / one_plain == pytest.approx(expected) and seconds / one_plain <= 1.02 * horizon
     assert len(tried) < 15
+
+
+def test_draft_tuner_stops_trying_once_plain_wins_whatever_a_rare_band_could_do():
+    """The default run's case: one crowded band holds the tokens, where the drafting
+    engine at k = 0 runs at 0.8 of PLAIN (the draft layer on a 2-layer model), and a thin
+    band that a few sequences ending early reach in some rollouts only, where drafting
+    would pay. The rare band's candidates must not keep the tries going: they end after
+    PLAIN and one band try (without the bound, 12 tries: the cap)."""
+    tuner, tried = _tuner_trying(2), []
+    speed = {0: lambda k: 1.0 if k == draft_tuner.PLAIN else 0.8 / (1 + 0.5 * k),
+             1: lambda k: 0.1 if k == draft_tuner.PLAIN else 0.08 * _tokens_per_verify_step(k) / (1 + 0.1 * k)}
+    for rollout_index in range(20):
+        schedule = tuner.choose()
+        if not tuner.exploring():
+            break
+        tried.append(schedule)
+        tokens = {0: 100, **({1: 2} if rollout_index % 3 == 2 else {})}
+        tuner.record({band: (count, count / speed[band](draft_tuner.PLAIN if schedule is None else schedule[band]))
+                      for band, count in tokens.items()})
+    assert tried == [None, [0, 0]] and tuner.choose() is None
 
 
 def test_draft_tuner_chooses_the_per_band_oracle_on_long_tailed_bands():
