@@ -278,13 +278,16 @@ class DraftTuner:
 
     def _plain_cannot_lose(self):
         """Whether PLAIN beats every schedule the tries could still find by more than
-        ELIMINATION_MARGIN: the bands PLAIN ran take longer than that at their fastest k,
-        even with the other bands free, than PLAIN's whole rollout at most (those bands at
-        their k = 0 speed, which PLAIN's idle draft beats). A band a try reaches now and then
-        (a few sequences ending early) opens candidates of its own, but cannot buy back a
-        loss in the bands that hold the tokens; None where a band never ran k = 0."""
-        _, drafting_seconds, plain_seconds = self._schedule_seconds()
+        ELIMINATION_MARGIN: with each candidate of the bands PLAIN ran measured, those bands
+        take longer than that at their fastest k, even with the other bands free, than
+        PLAIN's whole rollout at most (those bands at their k = 0 speed, which PLAIN's idle
+        draft beats). A band a try reaches now and then (a few sequences ending early) opens
+        candidates of its own, but cannot buy back a loss in the bands that hold the tokens;
+        False where such a band never ran k = 0."""
         plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
+        if any(tokens and plain[band] and self._unmeasured(band, least=1) for band, tokens in enumerate(self.band_tokens)):
+            return False  # a k not yet tried where the tokens are may still beat PLAIN
+        _, drafting_seconds, plain_seconds = self._schedule_seconds()
         for band, tokens in enumerate(self.band_tokens):
             if tokens and not plain[band]:
                 if not no_draft[band]:
