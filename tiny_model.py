@@ -494,6 +494,10 @@ def published_config(name, **changes):
     return {field: value for field, value in config.items() if value is not None or field not in changes}
 
 
+# A written checkpoint's stamp: what it was made from (a cache hit only when equal).
+STAMP_FILE = "tiny_model_stamp.json"
+
+
 def write_checkpoint(out_dir, config, seed=0):
     """A HF checkpoint of `config` (a family's config.json dict) with `model_weights`' seeded
     random weights, MTP layers included, and this tokenizer; skipped when `out_dir` holds
@@ -501,7 +505,7 @@ def write_checkpoint(out_dir, config, seed=0):
     # The tokenizer's config is in the stamp too: a cache written before a change to it
     # (the chat template, say) is rewritten.
     stamp = {"config": config, "tokenizer": tokenizer_config(config["max_position_embeddings"]), "seed": seed}
-    stamp_path = os.path.join(out_dir, "tiny_model_stamp.json")
+    stamp_path = os.path.join(out_dir, STAMP_FILE)
     if os.path.exists(stamp_path):
         with open(stamp_path) as f:
             if json.load(f) == stamp:

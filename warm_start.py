@@ -22,7 +22,8 @@ stamp is written last, so an interrupted stage is never mistaken for a finished 
 stage runs in one process, whatever the caller's layout, so every run gets the same model.
 
 Imports torch, megatron-core (through trainer), transformers (the tokenizer) and the
-project's tasks, trainer, grpo_loss, hf_weights, mtp_patch, mtp_policy_target and cpu_backend.
+project's tasks, tiny_model (its stamp), trainer, grpo_loss, hf_weights, mtp_patch,
+mtp_policy_target and cpu_backend.
 """
 
 import argparse
@@ -42,13 +43,11 @@ import hf_weights
 import mtp_patch
 import mtp_policy_target
 import tasks
+import tiny_model
 import trainer
 from cpu_backend import init_distributed, init_model_parallel
 
 STAMP = "warm_start.json"
-# The base checkpoint's own stamp (tiny_model.py writes it): the warm start is rebuilt when
-# the base model changes.
-BASE_STAMP = "tiny_model_stamp.json"
 # Environment a torchrun worker passes on: the stage is a world of its own.
 DISTRIBUTED_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                            "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE",
@@ -91,7 +90,8 @@ def answer_samples(examples, tokenizer, rng):
 
 def stamp_of(config, base_dir):
     """What the checkpoint is made from: this stage's config and the base model's stamp."""
-    with open(os.path.join(base_dir, BASE_STAMP)) as f:
+    # The base checkpoint's own stamp: the warm start is rebuilt when the base model changes.
+    with open(os.path.join(base_dir, tiny_model.STAMP_FILE)) as f:
         return {"warm_start": dataclasses.asdict(config), "base": json.load(f)}
 
 
