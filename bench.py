@@ -13,7 +13,7 @@ wait on whichever core a neighbour holds, and the table would measure the neighb
 
 This module holds the CLI and the micro rows of the training side; the rows that drive vLLM
 engines or whole runs (`weight_sync_push`, `spec_rollout`, `draft_training`, `trl_step`:
-whole train_grpo.py or TRL runs and their figures) are in bench_runs.py, listed in ROWS
+whole train_grpo.py or TRL runs and their figures) are in bench_runs.py and bench_trl.py, listed in ROWS
 alike.
 """
 
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import bench_runs
+import bench_trl
 import cp_thd
 import cpu_backend
 import forward
@@ -524,7 +525,7 @@ ROWS = {
     "spec_rollout": bench_runs.row_spec_rollout,
     "draft_training": bench_runs.row_draft_training,
     "rl_drafting": bench_runs.row_rl_drafting,
-    "trl_step": bench_runs.row_trl_step,
+    "trl_step": bench_trl.row_trl_step,
     "moe_expert_parallel": row_moe_expert_parallel,
 }
 
@@ -557,7 +558,7 @@ def main():
                              f"{bench_runs.SPEC_RUN_DIR}")
     args = parser.parse_args()
     if args.trl_worker is not None:
-        return bench_runs.trl_worker(args.trl_worker)
+        return bench_trl.trl_worker(args.trl_worker)
     if args.spec_checkpoint is not None and not os.path.isfile(os.path.join(args.spec_checkpoint, "config.json")):
         parser.error(f"--spec-checkpoint {args.spec_checkpoint!r}: no config.json there; expected a HF checkpoint dir")
     rows = dict(ROWS, spec_rollout=lambda: bench_runs.row_spec_rollout(args.spec_checkpoint))

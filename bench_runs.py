@@ -1,19 +1,17 @@
-"""End-to-end rows of bench.py: the weight push into a vLLM engine, whole train_grpo.py and TRL
-runs, vLLM engines on a trained policy.
+"""End-to-end rows of bench.py: the weight push into a vLLM engine, whole train_grpo.py
+runs, vLLM engines on a trained policy (TRL's runs: bench_trl.py).
 
-    .venv/bin/python bench.py --rows weight_sync_push spec_rollout draft_training rl_drafting trl_step
+    .venv/bin/python bench.py --rows weight_sync_push spec_rollout draft_training rl_drafting
 
 bench.py holds the CLI and the micro rows and runs these rows by name. A row here
-launches `train_grpo.py` under torchrun (its checkpoints and metrics cached under runs/)
-or Hugging Face TRL's GRPOTrainer in a process of its own (`bench.py --trl-worker OUT`),
+launches `train_grpo.py` under torchrun (its checkpoints and metrics cached under runs/),
 then reports ratios from their timings and draws the figures in docs/. `spec_rollout`
 measures vLLM engines on a checkpoint such a run trained, and `weight_sync_push` times
 vllm_sync's bucketed push against a naive one, each in a spawned process.
 
 Imports torch and the project's cpu_backend, draft_tuner, hf_weights, megatron_model,
-rollout, run_log, spec_config, tasks, tiny_model, vllm_sync and harness;
-vLLM, matplotlib, transformers, datasets and TRL (with flags, run_configs, grpo_loss and
-launch, for the default run's configs) inside the rows that need them.
+rollout, run_log, spec_config, tasks, tiny_model, vllm_sync and harness; vLLM, matplotlib
+and transformers inside the rows that need them.
 """
 
 import json
@@ -138,12 +136,17 @@ def row_weight_sync_push():
     }
 
 
+# Processes of a train_grpo.py run (torchrun's), each with its own vLLM engine.
+RUN_PROCESSES = 2
+
+
 def train_grpo_run(out, flags):
-    """train_grpo.py under torchrun (2 processes) into `out` unless it finished there before;
-    returns its metrics.jsonl records."""
+    """train_grpo.py under torchrun (RUN_PROCESSES processes) into `out` unless it finished
+    there before; returns its metrics.jsonl records."""
     if not os.path.exists(os.path.join(out, "final", "model.safetensors")):
         print(f"training {out}: train_grpo.py {' '.join(flags)}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train_grpo.py",
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RUN_PROCESSES),
+                        "train_grpo.py",
                         "--out", out, "--resume", "never", *flags], cwd=REPO_DIR, check=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -546,7 +549,7 @@ def row_rl_drafting():
     train_grpo_run(os.path.join(RL_RUN_DIR, "warm"), (*RL_FLAGS, "--steps", "1", "--no-mtp-rollout"))
     rounds, walls = zip(*(rl_round(number, dict(RL_VARIANTS, **(RL_ORACLE_VARIANTS if number == 1 else {})))
                           for number in range(1, RL_ROUNDS + 1)))
-    oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS], OUR_PROCESSES)
+    oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS], RUN_PROCESSES)
     plot_rl_drafting([{name: runs[name] for name in RL_VARIANTS} for runs in rounds], RL_PLOT)
     rows = [rl_round_row(number, runs, round_walls, oracle)
             for number, (runs, round_walls) in enumerate(zip(rounds, walls), 1)]
@@ -557,141 +560,3 @@ def row_rl_drafting():
                           + f", {rl_tokens_per_verify_step(fixed):.2f} tokens per verify step"})
     rows.append({"row": "rl_drafting plot", "ours_ms": None, "baseline_ms": None, "speedup": None, "notes": RL_PLOT})
     return rows
-
-
-# ---------------------------------------------------------------------------------------
-# trl_step: the default run's step against Hugging Face TRL's GRPOTrainer on the same work
-# ---------------------------------------------------------------------------------------
-
-# TRL, pinned in requirements-bench.txt; the tests never import it.
-TRL_VERSION = "1.16.0"
-TRL_ROUNDS = 3
-TRL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-trl")
-# TRL in one process on every core (its own default); ours: torchrun's processes x 1 thread.
-TRL_THREADS = 2
-OUR_PROCESSES = 2
-REWARD_TARGET = 0.9
-
-
-def trl_worker(out):
-    """Runs in its own process (`bench.py --trl-worker OUT`): TRL's GRPOTrainer with plain HF
-    generate on the default run's work: the built-in model (its Qwen2 trunk; TRL has no MTP
-    head to train), task, prompts per step (both data-parallel ranks' share), group size,
-    completion length (forced, as ours ignores EOS), lr, PPO clips, entropy bonus, no KL, the
-    task's mean per-character credit as the sequence reward. Writes OUT/trl.json: per-step
-    seconds and rewards, the seconds of the whole training."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    import flags
-    import launch
-    import run_configs
-    from grpo_loss import RewardConfig
-    torch.set_num_threads(TRL_THREADS)
-    settings = flags.check_args(flags.parse_args(["--out", out]), world_size=OUR_PROCESSES)
-    # The default run's configs, as launch.prepare builds them.
-    run = run_configs.settings_config(settings, launch.RunConfig, resolved_flags=vars(settings))
-    data, reward = run_configs.settings_config(settings, tasks.DataConfig), run_configs.settings_config(settings, RewardConfig)
-    train = run_configs.train_config(settings)
-    model_dir = launch.write_builtin_model(run.builtin_model)
-    examples, _ = tasks.split_examples(None, None, run.seed, data.task, data.count_step)
-    prompts_per_step = OUR_PROCESSES * run.prompts_per_step
-    steps = []
-
-    def credit(completions, answer, **_):
-        return [sum(a == b for a, b in zip(text, gold)) / len(gold) for text, gold in zip(completions, answer)]
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, args, state, control, **_):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **_):
-            steps.append({"seconds": time.perf_counter() - self.started})
-
-    config = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=prompts_per_step * reward.group_size,
-        num_generations=reward.group_size, max_completion_length=run.max_new_tokens,
-        generation_kwargs={"min_new_tokens": run.max_new_tokens}, temperature=train.temperature,
-        learning_rate=train.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=run.steps,
-        beta=0.0, epsilon=train.loss.clip_low, epsilon_high=train.loss.clip_high, entropy_coef=train.loss.entropy_coef,
-        max_grad_norm=train.grad_clip, adam_beta2=0.99, seed=run.seed, use_cpu=True, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
-    rows = [{"prompt": e["prompt"], "answer": e["answer"]} for e in examples]
-    dataset = Dataset.from_list(rows * (run.steps * prompts_per_step // len(rows) + 1))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    grpo = GRPOTrainer(model=model, reward_funcs=credit, args=config, train_dataset=dataset,
-                       processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[StepTimes()])
-    started = time.perf_counter()
-    grpo.train()
-    rewards = [entry["reward"] for entry in grpo.state.log_history if "reward" in entry]
-    for step, reward in zip(steps, rewards):
-        step["reward_mean"] = reward
-    with open(os.path.join(out, "trl.json"), "w") as f:
-        json.dump({"steps": steps, "train_s": time.perf_counter() - started}, f)
-
-
-def timed_process(command, out):
-    """(wall seconds, peak resident bytes of its largest process) of `command` run in a fresh
-    `out`; its output goes to OUT/console.log."""
-    import shutil
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    started = time.perf_counter()
-    with open(os.path.join(out, "console.log"), "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT)
-        # wait4's usage covers this child and the descendants it waited for (torchrun's workers).
-        _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{' '.join(command)} exited with {os.waitstatus_to_exitcode(status)}; see "
-                           f"{os.path.join(out, 'console.log')}")
-    return seconds, usage.ru_maxrss * 1024
-
-
-def run_summary(step_seconds, rewards, wall_s, peak_bytes):
-    reached = next((step for step, reward in enumerate(rewards, 1) if reward >= REWARD_TARGET), None)
-    return {"median_step_s": statistics.median(step_seconds), "wall_s": wall_s, "peak_bytes": peak_bytes,
-            "reward_last": rewards[-1], "reward_target_step": reached}
-
-
-def row_trl_step():
-    """Ours (`torchrun --nproc_per_node 2 train_grpo.py`, defaults) and TRL's GRPOTrainer on
-    the same work, taking turns for TRL_ROUNDS rounds; the ratio is TRL's median step time
-    over ours, per round. A step is a rollout plus a train step: ours is the sum of its
-    phases (tune, rollout, train, sync, eval), TRL's the wall time of its training step
-    (generation included)."""
-    import importlib.metadata
-    try:
-        installed = importlib.metadata.version("trl")
-    except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(f"bench.py --rows trl_step needs TRL: .venv/bin/pip install -r requirements-bench.txt "
-                         f"(trl=={TRL_VERSION})") from None
-    rounds = []
-    for number in range(1, TRL_ROUNDS + 1):
-        ours_out, trl_out = (os.path.join(TRL_RUN_DIR, f"{name}_{number}") for name in ("ours", "trl"))
-        print(f"trl_step round {number}/{TRL_ROUNDS}: ours ...", file=sys.stderr, flush=True)
-        wall, peak = timed_process([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                    str(OUR_PROCESSES), "train_grpo.py", "--out", ours_out, "--resume", "never"],
-                                   ours_out)
-        with open(os.path.join(ours_out, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-        phases = ("tune_s", "rollout_s", "train_s", "sync_s", "eval_s")
-        ours = run_summary([sum(r.get(phase) or 0.0 for phase in phases) for r in records],
-                           [r["reward_mean"] for r in records], wall, peak)
-        ours.update({phase: statistics.median(r.get(phase) or 0.0 for r in records) for phase in phases})
-        print(f"trl_step round {number}/{TRL_ROUNDS}: TRL {installed} ...", file=sys.stderr, flush=True)
-        wall, peak = timed_process([sys.executable, "bench.py", "--trl-worker", trl_out], trl_out)
-        with open(os.path.join(trl_out, "trl.json")) as f:
-            trl = json.load(f)["steps"]
-        trl = run_summary([s["seconds"] for s in trl], [s["reward_mean"] for s in trl], wall, peak)
-        rounds.append((ours, trl))
-    return [{"row": f"trl_step round {number}", "ours_ms": 1000 * ours["median_step_s"],
-             "baseline_ms": 1000 * trl["median_step_s"], "speedup": trl["median_step_s"] / ours["median_step_s"],
-             "notes": (f"ours: wall {ours['wall_s']:.0f} s, phases (median s) "
-                       + " ".join(f"{phase[:-2]} {ours[phase]:.3f}" for phase in ("tune_s", "rollout_s", "train_s",
-                                                                                  "sync_s"))
-                       + f", reward >= {REWARD_TARGET} at step {ours['reward_target_step']}; TRL {installed}: wall "
-                       f"{trl['wall_s']:.0f} s, reward >= {REWARD_TARGET} at step {trl['reward_target_step']}; peak "
-                       f"RSS of the largest process {ours['peak_bytes'] / 2**20:.0f} / "
-                       f"{trl['peak_bytes'] / 2**20:.0f} MiB")}
-            for number, (ours, trl) in enumerate(rounds, 1)]

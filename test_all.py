@@ -7113,6 +7113,31 @@ def test_warm_start_builds_once_learns_and_is_rebuilt_when_its_inputs_change(tmp
 
 
 # ---------------------------------------------------------------------------------------
+# bench_runs: the rows that drive vLLM engines or whole runs
+# ---------------------------------------------------------------------------------------
+
+def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight():
+    def run(bands, rollout_s=12.0):
+        record = {"tune_s": 0.0, "rollout_s": rollout_s, "bands": {
+            label: {"tokens": tokens, "seconds": seconds} for label, (tokens, seconds) in bands.items()}}
+        return [record, dict(record, tune_s=1.0)]
+
+    # none: the thin band at 10 tok/s, the crowded one at 100; k = 3 thin at 30, crowded at 40.
+    none = run({"1": (100, 10.0), "65-128": (100, 1.0)})
+    fixed = [run({"1": (60, 3.0), "65-128": (80, 1.0)}), run({"1": (90, 3.0), "65-128": (40, 1.0)})]
+    # The none run's rollout phase: 2 x 12 s + 1 s of tune; the oracle's thin band takes
+    # 2 x 100 tokens at 30 tok/s instead of 20 s, the crowded one stays none's; the seconds
+    # saved are both engines', the wall clock saves half of them.
+    phase = 25.0
+    oracle = phase - (20.0 - 200 / 30) / 2
+    assert bench_runs.rl_oracle_speedup(none, fixed, engines=2) == pytest.approx(phase / oracle, rel=1e-12)
+    assert bench_runs.rl_oracle_speedup(none, [], engines=2) == pytest.approx(1.0)
+    drafted = [{"acceptance_by_depth": [0.9, 0.8, 0.6]}, {"acceptance_by_depth": [0.7, 0.6, 0.4]},
+               {"acceptance_by_depth": None}]
+    assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
+
+
+# ---------------------------------------------------------------------------------------
 # launch: the run before step 1: the checks on every rank before any process group, the inputs
 # ---------------------------------------------------------------------------------------
 
@@ -8057,30 +8082,6 @@ def test_train_grpo_plan_prints_the_plan_and_exits_before_any_process_group(tmp_
             in done.stdout)
     assert not out.exists()
 
-
-# ---------------------------------------------------------------------------------------
-# bench_runs: the rows that drive vLLM engines or whole runs
-# ---------------------------------------------------------------------------------------
-
-def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight():
-    def run(bands, rollout_s=12.0):
-        record = {"tune_s": 0.0, "rollout_s": rollout_s, "bands": {
-            label: {"tokens": tokens, "seconds": seconds} for label, (tokens, seconds) in bands.items()}}
-        return [record, dict(record, tune_s=1.0)]
-
-    # none: the thin band at 10 tok/s, the crowded one at 100; k = 3 thin at 30, crowded at 40.
-    none = run({"1": (100, 10.0), "65-128": (100, 1.0)})
-    fixed = [run({"1": (60, 3.0), "65-128": (80, 1.0)}), run({"1": (90, 3.0), "65-128": (40, 1.0)})]
-    # The none run's rollout phase: 2 x 12 s + 1 s of tune; the oracle's thin band takes
-    # 2 x 100 tokens at 30 tok/s instead of 20 s, the crowded one stays none's; the seconds
-    # saved are both engines', the wall clock saves half of them.
-    phase = 25.0
-    oracle = phase - (20.0 - 200 / 30) / 2
-    assert bench_runs.rl_oracle_speedup(none, fixed, engines=2) == pytest.approx(phase / oracle, rel=1e-12)
-    assert bench_runs.rl_oracle_speedup(none, [], engines=2) == pytest.approx(1.0)
-    drafted = [{"acceptance_by_depth": [0.9, 0.8, 0.6]}, {"acceptance_by_depth": [0.7, 0.6, 0.4]},
-               {"acceptance_by_depth": None}]
-    assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
 
 # ---------------------------------------------------------------------------------------
 # setup.sh: where torch comes from, and which Python
