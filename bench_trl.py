@@ -42,7 +42,8 @@ def trl_worker(out):
     generate on the default run's work: the built-in model (its Qwen2 trunk; TRL has no MTP
     head to train), task, prompts per step (both data-parallel ranks' share), group size,
     completion length (forced, as ours ignores EOS), lr, PPO clips, entropy bonus, no KL, the
-    task's mean per-character credit as the sequence reward. Writes OUT/trl.json: per-step
+    task's mean per-character credit as the sequence reward, fp32 without activation recompute
+    (as ours; TRL defaults to bf16 and gradient checkpointing). Writes OUT/trl.json: per-step
     seconds and rewards, the seconds of the whole training."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -79,6 +80,9 @@ def trl_worker(out):
         learning_rate=train.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=run.steps,
         beta=0.0, epsilon=train.loss.clip_low, epsilon_high=train.loss.clip_high, entropy_coef=train.loss.entropy_coef,
         max_grad_norm=train.grad_clip, adam_beta2=0.99, seed=run.seed, use_cpu=True, report_to="none",
+        # fp32 without activation recompute, as ours: TRL's own defaults are bf16 and gradient
+        # checkpointing, which on a CPU without bf16 matrix units run its step several times slower.
+        bf16=False, gradient_checkpointing=False,
         save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
     rows = [{"prompt": e["prompt"], "answer": e["answer"]} for e in examples]
     dataset = Dataset.from_list(rows * (run.steps * prompts_per_step // len(rows) + 1))

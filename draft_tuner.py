@@ -143,6 +143,7 @@ class DraftTuner:
         self.measured = None  # [A_1, ..., A_max] as the engine last measured them
         self.drafted = False  # whether the last rollout drafted (its counts then stand)
         self.estimated = False  # whether the trainer estimates A_1 (then no periodic check)
+        self.could_pay = True  # whether drafting could beat PLAIN on the last rollout's bands (_could_pay)
 
     def tokens_per_step(self, draft_tokens, acceptance=None):
         """1 + A_1 + ... + A_k: the tokens a verify step at k = `draft_tokens` emits on average."""
@@ -377,7 +378,7 @@ class DraftTuner:
             if not drafting and (first or (not self.estimated and (step - 1) % check_every == 0)):
                 checked = check()
                 self.observe(checked)
-            if first or (step - 1) % tune_every == 0 or self.is_stale():
+            if first or ((step - 1) % tune_every == 0 or self.is_stale()) and self.could_pay:
                 self.try_each()
         return self.choose(), checked
 
@@ -390,6 +391,31 @@ class DraftTuner:
         self.drafted = schedule is not None and any(schedule)
         if self.drafted:
             self.observe(statistics)
+        if not self.exploring():
+            self.could_pay = self._could_pay(band_counts)
+
+    def _could_pay(self, band_counts):
+        """Whether a schedule could beat PLAIN on a rollout of these {band: (tokens,
+        seconds)} at today's acceptance, judged on each band's fastest drafting speed at
+        best: a verify step at any k' >= k costs at least what k's did in the tries, and
+        emits at most 1 + A_1 + ... + A_max tokens now (k = 0's speed stands as tried).
+        Where that bound still loses to PLAIN by more than ELIMINATION_MARGIN (the room
+        for the machine's drift since), neither the period nor a rise of the acceptance
+        can make a try pay. True where a band lacks PLAIN's speed or a drafting k's."""
+        if self.tried_acceptance is None or PLAIN not in self.realized:
+            return True
+        plain, best_tokens = self.band_speeds(PLAIN), self.tokens_per_step(self.max_tokens)
+        drafting_seconds = plain_seconds = 0.0
+        for band, (tokens, _) in band_counts.items():
+            if not tokens:
+                continue
+            bounds = [speed * (best_tokens / self.tokens_per_step(k, self.tried_acceptance) if k else 1)
+                      for k in self.realized if k != PLAIN and (speed := self.band_speeds(k)[band])]
+            if not plain[band] or not bounds:
+                return True
+            drafting_seconds += tokens / max(bounds)
+            plain_seconds += tokens / plain[band]
+        return drafting_seconds < (1 + ELIMINATION_MARGIN) * plain_seconds
 
     def state_dict(self):
         return {name: getattr(self, name) for name in self._STATE}
@@ -398,6 +424,7 @@ class DraftTuner:
         for name in ("max_tokens", "num_bands"):
             if state.get(name) != getattr(self, name):
                 raise ValueError(f"a tuner state for {name} {state.get(name)}, this tuner has {getattr(self, name)}")
+        state = {"could_pay": True, **state}  # a state saved before the bound: re-opens as it did then
         missing = [name for name in self._STATE if name not in state]
         if missing:
             raise ValueError(f"a tuner state without {missing} (saved by a tuner that kept less, or tried whole "
@@ -407,7 +434,7 @@ class DraftTuner:
 
     _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
               "trying", "deepest", "candidates", "opened", "tried", "realized", "band_tokens", "tried_acceptance",
-              "measured", "drafted", "estimated")
+              "measured", "drafted", "estimated", "could_pay")
 
 
 def _fill_unseen(schedule, seen):

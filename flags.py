@@ -32,6 +32,7 @@ import memory_plan
 import preflight
 import rewards
 import rollout
+import run_configs
 import spec_config
 import tasks
 import tiny_model
@@ -45,8 +46,6 @@ DATA_MAX_NEW_TOKENS = 3
 DATA_STEPS = 150
 DATA_PROMPTS_PER_STEP = 16
 DEFAULT_MAX_POSITIONS = 4096
-# vLLM-CPU's KV cache block in tokens: 128, and 16 for MLA (its decode kernel's only size).
-KV_BLOCK_TOKENS, MLA_KV_BLOCK_TOKENS = 128, 16
 # DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.
 DEFAULT_SAMPLING_ROUNDS = 4
 
@@ -199,7 +198,8 @@ def add_layout_flags(p):
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="megatron-core's distributed optimizer (ZeRO-1): each data-parallel rank holds 1/DP of the "
                         "fp32 main weights and Adam states (experts: 1/DP of their own data-parallel group) "
-                        "(default: on where data-parallel size > 1)")
+                        "(default: on where data-parallel size > 1 and it saves at least "
+                        f"{memory_plan.DISTRIBUTED_OPTIMIZER_MIN_SAVING / 2**30:g} GiB of the device's peak in --plan)")
     p.add_argument("--rollout-tp", type=POSITIVE_INT, default=ROLLOUT.rollout_tp, help="vLLM tensor parallel size")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=None,
                    help="prompts per data-parallel rank per step; default: the task's (" + ", ".join(
@@ -221,7 +221,10 @@ def add_layout_flags(p):
     p.add_argument("--gpu-memory-utilization", type=number(float, above=0, at_most=1),
                    default=ROLLOUT.gpu_memory_utilization,
                    help="vLLM's share of GPU memory")
-    p.add_argument("--kv-cache-bytes", type=POSITIVE_INT, default=ROLLOUT.kv_cache_bytes, help="vLLM KV cache size on CPU")
+    p.add_argument("--kv-cache-bytes", type=POSITIVE_INT, default=None,
+                   help="vLLM KV cache size on CPU (default: one rollout's batch whole, each sequence at the longest "
+                        f"prompt plus its new and drafted tokens, at most {ROLLOUT.kv_cache_bytes} bytes unless one "
+                        "context needs more)")
 
 
 def byte_size(text):
@@ -618,7 +621,7 @@ def flag_problems(args, world_size):
 def resolve(args, hf_config, world_size=1):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
     ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix,
-    distributed_optimizer (from `world_size`), the built-in model's name, `draft_plan`'s
+    distributed_optimizer (run_configs.distributed_optimizer_pays), the built-in model's name, `draft_plan`'s
     auto_draft and draft_tokens); `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
@@ -639,10 +642,11 @@ def resolve(args, hf_config, world_size=1):
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
         "shared_prefix": (shared_prefix_obstacle(args, hf_config) is None if args.shared_prefix is None
                           else args.shared_prefix),
-        "distributed_optimizer": (world_size // (args.tp * args.cp * args.pp) > 1 if args.distributed_optimizer is None
-                                  else args.distributed_optimizer),
     }
-    return argparse.Namespace(**{**vars(args), **derived})
+    settings = argparse.Namespace(**{**vars(args), **derived})
+    if args.distributed_optimizer is None:
+        settings.distributed_optimizer = run_configs.distributed_optimizer_pays(settings, hf_config, world_size)
+    return settings
 
 
 def check_args(args, world_size):
@@ -658,26 +662,34 @@ def check_args(args, world_size):
 # ---------------------------------------------------------------------------------------
 
 def rollout_context(settings, hf_config, longest_prompt):
-    """The settings with the engines' max_model_len: the longest prompt (in tokens) plus the
-    most tokens a request generates (--max-new-tokens; auto's acceptance check) plus the
-    draft tokens of the last verify step, at least rollout.MIN_MODEL_LEN, capped by the model's
-    max_position_embeddings. A published 128k context would ask for KV cache the run never
+    """The settings with the engines' max_model_len and engine_kv_cache_bytes: the longest
+    prompt (in tokens) plus the most tokens a request generates (--max-new-tokens; auto's
+    acceptance check) plus the draft tokens of the last verify step, at least
+    rollout.MIN_MODEL_LEN, capped by the model's max_position_embeddings. A published 128k context would ask for KV cache the run never
     uses. On CPU, where --kv-cache-bytes sizes the cache, a context that does not fit it is
-    a `usage_error` (train_grpo asks once the tokenizer loads, before any model)."""
+    a `usage_error` (train_grpo asks once the tokenizer loads, before any model). Without
+    --kv-cache-bytes the cache holds one rollout's batch, each sequence in whole blocks (at
+    most the 256 MiB default of RolloutConfig unless one context needs more): vLLM writes
+    every page of its cache, so a larger one is resident memory no rollout uses."""
     generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if settings.auto_draft else 0)
     drafts = settings.draft_tokens if settings.mtp_rollout else 0
     max_model_len = min(max(longest_prompt + generated + drafts, rollout.MIN_MODEL_LEN), settings.max_positions)
-    # vLLM holds a request's context in whole blocks, plus one block it keeps empty.
-    block = MLA_KV_BLOCK_TOKENS if "kv_lora_rank" in hf_config else KV_BLOCK_TOKENS
-    per_token = memory_plan.kv_bytes_per_token(
-        hf_config, memory_plan.PlanConfig(rollout_tp=settings.rollout_tp, bf16=settings.bf16), settings.mtp_rollout)
-    needed = (-(-max_model_len // block) + 1) * block * per_token
-    if not torch.cuda.is_available() and needed > settings.kv_cache_bytes:
+    plan = memory_plan.PlanConfig(rollout_tp=settings.rollout_tp, bf16=settings.bf16)
+    needed = memory_plan.kv_cache_bytes(hf_config, plan, settings.mtp_rollout, max_model_len)
+    kv_cache_bytes = settings.kv_cache_bytes
+    if kv_cache_bytes is None:
+        sequences = settings.prompts_per_step * settings.group_size * settings.rollout_tp
+        batch = memory_plan.kv_cache_bytes(hf_config, plan, settings.mtp_rollout, longest_prompt + generated + drafts,
+                                           sequences)
+        kv_cache_bytes = max(needed, min(batch, ROLLOUT.kv_cache_bytes))
+    elif not torch.cuda.is_available() and needed > kv_cache_bytes:
+        per_token = memory_plan.kv_bytes_per_token(hf_config, plan, settings.mtp_rollout)
         raise usage_error(f"--kv-cache-bytes {settings.kv_cache_bytes}: the rollout's context of {max_model_len} "
                           f"tokens (the longest prompt, {longest_prompt}, plus {generated} generated and {drafts} "
                           f"drafted) needs {needed} bytes of KV cache ({per_token} per token); expected "
                           f"--kv-cache-bytes {needed} or more, or shorter prompts or --max-new-tokens")
-    return argparse.Namespace(**{**vars(settings), "max_model_len": max_model_len})
+    return argparse.Namespace(**{**vars(settings), "max_model_len": max_model_len,
+                                 "engine_kv_cache_bytes": kv_cache_bytes})
 
 
 # ---------------------------------------------------------------------------------------

@@ -34,6 +34,13 @@ import re
 FP32, BF16 = 4, 2
 # Adam keeps m and v in fp32, and one fp32 step counter per tensor.
 ADAM_STATES = 2
+# The distributed optimizer's default: on where splitting the fp32 main weights and Adam
+# states over the data-parallel ranks saves at least this much of a device's planned peak
+# (a model of about 180M parameters at DP 2). Below it the split saves nothing that
+# matters and still costs its reduce-scatter, all-gather and shard copies every step.
+DISTRIBUTED_OPTIMIZER_MIN_SAVING = 2**30
+# vLLM-CPU's KV cache block in tokens: 128, and 16 for MLA (its decode kernel's only size).
+KV_BLOCK_TOKENS, MLA_KV_BLOCK_TOKENS = 128, 16
 # The largest --tp the plan suggests: tensor parallelism all-reduces activations in every
 # layer, which only a node's own links (NVLink, 8 devices) carry fast enough.
 MAX_SUGGESTED_TP = 8
@@ -305,6 +312,14 @@ def kv_bytes_per_token(hf_config, config, drafting):
     return layers * per_layer * (BF16 if config.bf16 else FP32)
 
 
+def kv_cache_bytes(hf_config, config, drafting, context_tokens, sequences=1):
+    """vLLM-CPU KV cache bytes for `sequences` requests of up to `context_tokens` tokens each,
+    in one engine on one rank: vLLM holds each request's context in whole blocks, plus one
+    block it keeps empty."""
+    block = MLA_KV_BLOCK_TOKENS if "kv_lora_rank" in hf_config else KV_BLOCK_TOKENS
+    return (sequences * -(-context_tokens // block) + 1) * block * kv_bytes_per_token(hf_config, config, drafting)
+
+
 def rollout_engines(hf_config, config):
     """[(name, weight bytes, KV cache bytes, KV bytes per token)] of this device's vLLM
     engine, one whatever the drafting: a drafting one (with the MTP layers) or a plain one,
@@ -348,6 +363,18 @@ def device_plan(hf_config, config):
                 parameters=sum(math.prod(shape) for shape in whole.values()),
                 fits=None if config.device_memory is None else plan["total"] <= config.device_memory)
     return plan
+
+
+def distributed_optimizer_pays(hf_config, config):
+    """Whether the distributed optimizer saves at least DISTRIBUTED_OPTIMIZER_MIN_SAVING bytes of
+    the device's planned peak (`device_plan` without and with it); True for a layout the
+    plan cannot judge (the run's own checks name what is wrong with it)."""
+    try:
+        without, split = (device_plan(hf_config, dataclasses.replace(config, distributed_optimizer=on))["total"]
+                          for on in (False, True))
+    except ValueError:
+        return True
+    return without - split >= DISTRIBUTED_OPTIMIZER_MIN_SAVING
 
 
 def _candidates(hf_config, config):

@@ -58,6 +58,15 @@ def plan_config(settings, world_size, bf16):
         gpu_memory_utilization=settings.gpu_memory_utilization, device_memory=settings.device_memory)
 
 
+def distributed_optimizer_pays(settings, hf_config, world_size):
+    """--distributed-optimizer's default: on where data-parallel ranks share the work and the
+    memory plan shows that splitting the optimizer saves memory that matters
+    (memory_plan.distributed_optimizer_pays)."""
+    data_parallel = world_size // (settings.tp * settings.cp * settings.pp) > 1
+    return data_parallel and memory_plan.distributed_optimizer_pays(hf_config,
+                                                                    plan_config(settings, world_size, settings.bf16))
+
+
 def rollout_config(settings):
     """The engine's settings: rollout.RolloutConfig, drafting as `flags.resolve` settled it."""
     return rollout.RolloutConfig(
@@ -66,4 +75,4 @@ def rollout_config(settings):
         auto_draft=settings.auto_draft, draft_tokens=settings.draft_tokens, tune_every=settings.tune_every,
         acceptance_check_every=settings.acceptance_check_every, check_draft_every=settings.check_draft_every,
         spec_overrides=settings.spec_config,
-        gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_bytes=settings.kv_cache_bytes)
+        gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_bytes=settings.engine_kv_cache_bytes)

@@ -2223,6 +2223,45 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
     assert len(tried) < 15
 
 
+@pytest.mark.parametrize("k1_speed, reopens", [(0.2, False), (0.8, True)])
+def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay(k1_speed, reopens):
+    """The default run's case: the tries measured k = 1 at a fifth of PLAIN's speed in the
+    one band that holds the tokens. The acceptance then rises from 0.3 / 0.1 / 0.05 to
+    0.9 / 0.3 / 0.15 (stale: 2.35 tokens per deepest verify step against 1.45), and the
+    period comes: neither re-opens the tries, since even a step at k = 3 emitting 2.35
+    tokens for k = 1's cost runs at 0.36 of PLAIN (without the bound: 3-4 tries at each,
+    10 of the default run's 15). At 0.8 of PLAIN the same bound could pay (1.45x): the rise
+    re-opens them. A rollout reaching a band no try ran re-opens them too."""
+    plain = draft_tuner.PLAIN
+    tuner, speed = draft_tuner.DraftTuner(max_tokens=3, num_bands=2), {plain: 1.0, 0: 0.8}
+    check = lambda: _acceptance_statistics([0.3, 0.1, 0.05])  # noqa: E731
+    tried, step, schedule = [], 1, None
+    while True:
+        schedule, _ = tuner.plan(step, check, 5, 50, drafting=bool(schedule and any(schedule)))
+        if not tuner.exploring():
+            break
+        tried.append(schedule)
+        variant = plain if schedule is None else schedule[0]
+        tuner.after_rollout(schedule, {0: (100, 100 / speed.get(variant, k1_speed))},
+                            _acceptance_statistics([0.3, 0.1, 0.05][:variant]) if variant not in (plain, 0) else None)
+        step += 1
+    assert tried[:3] == [None, [0, 0], [1, 0]] and schedule is None
+    tuner.after_rollout(None, {0: (100, 1.0)}, None)
+    tuner.observe_estimate(0.9)
+    assert tuner.acceptance == pytest.approx([0.9, 0.3, 0.15]) and tuner.is_stale()
+    reopened = []
+    for step in range(step + 1, 111):  # two periods
+        tuner.plan(step, check, 5, 50, drafting=False)
+        if tuner.exploring():
+            reopened.append(step)
+            break
+        tuner.after_rollout(None, {0: (100, 1.0)}, None)
+    assert reopened == ([len(tried) + 2] if reopens else [])
+    if not reopens:  # a rollout that reached band 1, where no try ran: the rise re-opens the tries
+        tuner.after_rollout(None, {0: (100, 1.0), 1: (10, 1.0)}, None)
+        assert tuner.plan(111, check, 5, 50, drafting=False)[0] is None and tuner.exploring()
+
+
 def test_draft_tuner_stops_trying_once_plain_wins_whatever_a_rare_band_could_do():
     """The default run's case: one crowded band holds the tokens, where the drafting
     engine at k = 0 runs at 0.8 of PLAIN (the draft layer on a 2-layer model), and a thin
@@ -2880,7 +2919,7 @@ def test_memory_plan_kv_bytes_per_token_is_what_vllm_allocates(moe_checkpoints, 
     config = tiny_model.builtin_config(family)[1]
     per_token = memory_plan.kv_bytes_per_token(config, memory_plan.PlanConfig(rollout_tp=1, bf16=False), True)
     print(f"{family}: {per_token} bytes per token, {blocks} blocks of {block_size} tokens in vLLM")
-    assert block_size == (flags.MLA_KV_BLOCK_TOKENS if family == "deepseek" else flags.KV_BLOCK_TOKENS)
+    assert block_size == (memory_plan.MLA_KV_BLOCK_TOKENS if family == "deepseek" else memory_plan.KV_BLOCK_TOKENS)
     assert blocks == rollout.RolloutConfig().kv_cache_bytes // (per_token * block_size)
 
 
@@ -6754,7 +6793,7 @@ def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refus
                                    max_position_embeddings=131072)
     (model / "config.json").write_text(json.dumps(config))
     settings = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "20",
-                                                  "--num-speculative-tokens", "2"]), 2)
+                                                  "--num-speculative-tokens", "2", "--kv-cache-bytes", str(2**28)]), 2)
     # 47 layers x 2 (keys, values) x 8 heads x 128 x 4 bytes (fp32) per token.
     assert memory_plan.kv_bytes_per_token(config, memory_plan.PlanConfig(bf16=False), True) == 385024
     run = flags.rollout_context(settings, config, longest_prompt=300)
@@ -6778,6 +6817,15 @@ def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refus
     # The model's whole context, what the engines were given before, is capped there and refused.
     with pytest.raises(SystemExit, match="the rollout's context of 131072 tokens"):
         flags.rollout_context(settings, config, longest_prompt=131072)
+    # Without --kv-cache-bytes: one rollout's batch, at most 256 MiB, and one context whole
+    # past that. The default run: 128 sequences of 9 + 12 + 3 tokens, a 128-token block each
+    # and vLLM's empty one, 3 layers x 2 x 2 heads x 64 x 4 bytes a token (48 MiB, not 256).
+    unsized = SimpleNamespace(**{**vars(settings), "kv_cache_bytes": None})
+    assert flags.rollout_context(unsized, config, 300).engine_kv_cache_bytes == 2**28
+    assert flags.rollout_context(unsized, config, 1000).engine_kv_cache_bytes == 443547648
+    default = flags.check_args(flags.parse_args([]), 2)
+    assert flags.rollout_context(default, tiny_model.builtin_config("tiny")[1], 9).engine_kv_cache_bytes == \
+        129 * 128 * 3072
 
 
 RECIPE_REFUSALS = {
@@ -6898,7 +6946,7 @@ def test_flags_drafting_is_settled_once_and_every_reader_takes_it(case):
     hf_config = {**tiny_model.builtin_config("tiny")[1], **({} if has_mtp else {"num_nextn_predict_layers": 0})}
     settings = flags.resolve(args, hf_config, world_size=2)
     assert (settings.mtp_rollout, settings.auto_draft, settings.draft_tokens) == expected
-    settings.max_model_len = 64  # rollout_context's, once the prompts are tokenized
+    settings.max_model_len, settings.engine_kv_cache_bytes = 64, 2**28  # rollout_context's, once tokenized
     config = run_configs.rollout_config(settings)
     assert (config.mtp_rollout, config.auto_draft, config.draft_tokens) == expected
     assert (config.tune_every, config.acceptance_check_every) == (7, 3)
@@ -6961,8 +7009,8 @@ def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot
     assert flags.flag_problems(flags.parse_args(["--pp", "2", "--shared-prefix"]), 2) == [
         "--shared-prefix: it runs without pipeline stages (this run has --pp 2); leave the flag out"]
     assert flags.flag_problems(flags.parse_args(["--pp", "2", "--max-tokens-per-micro-batch", "64"]), 2) == []
-    assert flags.check_args(flags.parse_args(["--pp", "2"]), world_size=4).distributed_optimizer
-    assert not flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2).distributed_optimizer
+    assert not flags.check_args(flags.parse_args(["--pp", "2"]), world_size=4).distributed_optimizer  # saves 8 MB
+    assert flags.check_args(flags.parse_args(["--pp", "2", "--distributed-optimizer"]), world_size=4).distributed_optimizer
     with pytest.raises(SystemExit, match="argument --pp: '0': expected an int >= 1|argument --pp: 0: expected"):
         flags.parse_args(["--pp", "0"])
 
@@ -7025,10 +7073,17 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
 
 
 def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(uninterrupted_run, tmp_path):
-    # On where data-parallel size > 1 (the default run's 2 processes), off at DP 1 or when asked.
-    assert _settings(world_size=2).distributed_optimizer and not _settings(world_size=1).distributed_optimizer
-    assert not _settings(["--tp", "2"], world_size=2).distributed_optimizer
-    assert not _settings(["--no-distributed-optimizer"], world_size=2).distributed_optimizer
+    # On where data-parallel size > 1 and --plan shows it saves >= 1 GiB a device: MiMo-7B
+    # at DP 2 (47 GB of 519 in bf16), not the built-in tiny model (8 MB: the default run
+    # goes without its collectives), nor at DP 1, nor when asked.
+    mimo = tmp_path / "mimo-7b"
+    mimo.mkdir()
+    (mimo / "config.json").write_text(json.dumps(tiny_model.MIMO_7B_RL))
+    assert _settings(["--model", str(mimo)], world_size=2).distributed_optimizer
+    assert not _settings(["--model", str(mimo), "--tp", "2"], world_size=2).distributed_optimizer
+    assert not _settings(["--model", str(mimo), "--no-distributed-optimizer"], world_size=2).distributed_optimizer
+    assert not _settings(world_size=2).distributed_optimizer and not _settings(world_size=1).distributed_optimizer
+    assert _settings(["--distributed-optimizer"], world_size=2).distributed_optimizer
     assert _settings().max_tokens_per_micro_batch == 0
     assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512"]), 2) == []
     assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512", "--micro-batches", "2",
@@ -7043,11 +7098,10 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
     same = ["--out", out, *SHORT_RUN]
     assert checkpoint.resume_changes(directory, vars(_settings(same + ["--max-tokens-per-micro-batch", "64"], 2))) == \
         "--max-tokens-per-micro-batch 64 (was 0)"
-    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --distributed-optimizer False \(was True\)"):
-        checkpoint.resume_changes(directory, vars(_settings(same + ["--no-distributed-optimizer"], 2)))
-    # The default run's checkpoint holds each rank's shard.
-    assert list(torch.load(os.path.join(directory, "rank1.pt"), weights_only=True)["optimizer"]) == [
-        trainer.DISTRIBUTED_SHARDS]
+    with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --distributed-optimizer True \(was False\)"):
+        checkpoint.resume_changes(directory, vars(_settings(same + ["--distributed-optimizer"], 2)))
+    # The default run's checkpoint holds the plain optimizer's state, not shards.
+    assert trainer.DISTRIBUTED_SHARDS not in torch.load(os.path.join(directory, "rank1.pt"), weights_only=True)["optimizer"]
     # A checkpoint saved before the flag existed holds the plain optimizer's state.
     older = tmp_path / "step_000005"
     older.mkdir()
@@ -7055,8 +7109,8 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
     del meta["flags"]["distributed_optimizer"]
     (older / checkpoint.CHECKPOINT_META).write_text(json.dumps(meta))
     with pytest.raises(checkpoint.CheckpointError, match=r"is another run: --distributed-optimizer True \(was False\)"):
-        checkpoint.resume_changes(str(older), vars(_settings(same, 2)))
-    assert checkpoint.resume_changes(str(older), vars(_settings(same + ["--no-distributed-optimizer"], 2))) == ""
+        checkpoint.resume_changes(str(older), vars(_settings(same + ["--distributed-optimizer"], 2)))
+    assert checkpoint.resume_changes(str(older), vars(_settings(same, 2))) == ""
 
 
 def test_flags_plan_inputs_are_read_only_with_plan_and_a_bad_size_is_named():
