@@ -104,8 +104,10 @@ class DraftTuner:
       candidates, again (after a band try, up to `rounds`) only while the rollout time of
       the bands' fastest k and PLAIN's are within ELIMINATION_MARGIN of each other: a
       clear winner needs no more rounds (and a PLAIN try costs where drafting wins). Once
-      PLAIN beats that time by more than the margin with every band's candidates measured
-      once, the drafting ones are dropped whole: further measurements cannot pay.
+      no schedule could beat PLAIN by `margin` with every candidate of the bands PLAIN ran
+      measured once (`_plain_cannot_lose`), the drafting ones are dropped whole: further
+      measurements cannot pay. k = 0 counts at most at PLAIN's speed in a band: it does
+      PLAIN's work and more (the draft layer's forward and the verify path).
     The tries end when neither PLAIN nor any band a try reached has a candidate left to
     measure, or after `rounds` x (2 + the deepest k) of them (a band reached only now and
     then); each counts its fastest per band (a burst of load slows one rollout, not the
@@ -119,8 +121,10 @@ class DraftTuner:
     each tried speed is scaled by 1 + A_1 + ... + A_k now over then: a draft the policy
     left behind drops its bands to k = 0, and PLAIN once no band drafts. `retry` (a
     fraction): the tries are stale once the tokens a deepest-k step emits rose this much
-    since they ended; a fall needs no tries, the scaled speeds already draft less. Its
-    state is plain data (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
+    since they ended; a fall needs no tries, the scaled speeds already draft less. Neither
+    the period nor a rise re-opens them where, on the last rollout's bands, drafting could
+    not beat PLAIN even at its best (`_could_pay`). Its state is plain data
+    (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
     continues the tries where they were.
     """
 
@@ -278,11 +282,11 @@ class DraftTuner:
         return not (drafting_seconds and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds)
 
     def _plain_cannot_lose(self):
-        """Whether PLAIN beats every schedule the tries could still find by more than
-        ELIMINATION_MARGIN: with each candidate of the bands PLAIN ran measured, those bands
-        take longer than that at their fastest k, even with the other bands free, than
-        PLAIN's whole rollout at most (those bands at their k = 0 speed, which PLAIN's idle
-        draft beats). A band a try reaches now and then (a few sequences ending early) opens
+        """Whether no schedule the tries could still find would be chosen over PLAIN (by
+        `margin`): with each candidate of the bands PLAIN ran measured, those bands at their
+        fastest k (k = 0 at most at PLAIN's speed), even with the other bands free, do not
+        beat PLAIN's whole rollout at most (those bands at their k = 0 speed, which PLAIN's
+        idle draft beats) by `margin`. A band a try reaches now and then (a few sequences ending early) opens
         candidates of its own, but cannot buy back a loss in the bands that hold the tokens;
         False where such a band never ran k = 0."""
         plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
@@ -294,7 +298,7 @@ class DraftTuner:
                 if not no_draft[band]:
                     return False
                 plain_seconds += tokens / no_draft[band]
-        return bool(plain_seconds) and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds
+        return bool(plain_seconds) and (1 + self.margin) * drafting_seconds > plain_seconds
 
     def _tries_left(self):
         """Whether a try is due (PLAIN or a band's), within `rounds` x (2 + the deepest k) tries."""
@@ -324,10 +328,15 @@ class DraftTuner:
         return self._fastest_schedule()
 
     def _band_best(self, band, acceptance=None):
-        """(the drafting k fastest in `band`, its tokens/s; k = 0's without another that beats
-        it by `margin`; None where k = 0 never ran there), each speed scaled to `acceptance`
-        (default today's) after the tries."""
+        """(the drafting k fastest in `band`, its tokens/s; k = 0's, at most PLAIN's, without
+        another that beats it by `margin`; None where k = 0 never ran there), each speed
+        scaled to `acceptance` (default today's) after the tries."""
         no_draft = self.band_speeds(0)[band] if 0 in self.realized else None
+        plain = self.band_speeds(PLAIN)[band] if PLAIN in self.realized else None
+        if no_draft and plain:
+            # k = 0 does PLAIN's work and more (the draft layer's forward, the verify path):
+            # faster only by noise or against a PLAIN try that met cold shapes first.
+            no_draft = min(no_draft, plain)
         best, best_speed = 0, no_draft
         for k in (variant for variant in self.realized if variant not in (PLAIN, 0)):
             speed = self.band_speeds(k)[band]
