@@ -404,27 +404,33 @@ class DraftTuner:
             self.could_pay = self._could_pay(band_counts)
 
     def _could_pay(self, band_counts):
-        """Whether a schedule could beat PLAIN on a rollout of these {band: (tokens,
-        seconds)} at today's acceptance, judged on each band's fastest drafting speed at
-        best: a verify step at any k' >= k costs at least what k's did in the tries, and
-        emits at most 1 + A_1 + ... + A_max tokens now (k = 0's speed stands as tried).
-        Where that bound still loses to PLAIN by more than ELIMINATION_MARGIN (the room
-        for the machine's drift since), neither the period nor a rise of the acceptance
-        can make a try pay. True where a band lacks PLAIN's speed or a drafting k's."""
-        if self.tried_acceptance is None or PLAIN not in self.realized:
+        """Whether a schedule could beat PLAIN by `margin` on a rollout of these {band:
+        (tokens, seconds)} at today's acceptance, each band's speed at k estimated from its
+        tries: a verify step at k costs k = 0's step plus k drafts, each draft what the
+        deepest k tried there added over k = 0 (MIN_DRAFT_COST of a step where no k > 0
+        ran), and emits 1 + A_1 + ... + A_k tokens now; every estimate given
+        ELIMINATION_MARGIN of room for the machine's drift since. Where even that loses,
+        neither the period nor a rise of the acceptance can make a try pay. True where a
+        band lacks PLAIN's or k = 0's speed (nothing to judge it by)."""
+        if self.tried_acceptance is None or PLAIN not in self.realized or 0 not in self.realized:
             return True
-        plain, best_tokens = self.band_speeds(PLAIN), self.tokens_per_step(self.max_tokens)
-        drafting_seconds = plain_seconds = 0.0
+        plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
+        best_seconds = plain_seconds = 0.0
         for band, (tokens, _) in band_counts.items():
             if not tokens:
                 continue
-            bounds = [speed * (best_tokens / self.tokens_per_step(k, self.tried_acceptance) if k else 1)
-                      for k in self.realized if k != PLAIN and (speed := self.band_speeds(k)[band])]
-            if not plain[band] or not bounds:
+            if not plain[band] or not no_draft[band]:
                 return True
-            drafting_seconds += tokens / max(bounds)
+            step_cost, draft_cost = 1 / no_draft[band], MIN_DRAFT_COST / no_draft[band]
+            tried = [k for k in self.realized if k not in (PLAIN, 0) and self.band_speeds(k)[band]]
+            if tried:
+                deepest = max(tried)
+                cost = self.tokens_per_step(deepest, self.tried_acceptance) / self.band_speeds(deepest)[band]
+                draft_cost = max(0.0, cost - step_cost) / deepest
+            best = max(self.tokens_per_step(k) / (step_cost + k * draft_cost) for k in range(1, self.max_tokens + 1))
+            best_seconds += tokens / max(plain[band], (1 + ELIMINATION_MARGIN) * best)
             plain_seconds += tokens / plain[band]
-        return drafting_seconds < (1 + ELIMINATION_MARGIN) * plain_seconds
+        return (1 + self.margin) * best_seconds < plain_seconds
 
     def state_dict(self):
         return {name: getattr(self, name) for name in self._STATE}
