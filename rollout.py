@@ -270,8 +270,10 @@ class Engines:
     has none); `tuner` (auto only) chooses it; `meter` reads the engine's acceptance (None
     without MTP rollout), `band_meter` its steps per band, and `bands` holds the last step's
     first rollout's, summed over engines; `version` is the step whose weights the engine
-    holds (None: none, after a GPU sleep that dropped them); `asleep` whether it is in
-    vLLM's sleep mode. MoE models: `recorder` is the engine's RoutingRecorder."""
+    holds (None: none, after a GPU sleep that dropped them), `draft_version` the step whose
+    MTP weights its draft holds (behind `version` while the draft is idle); `asleep`
+    whether it is in vLLM's sleep mode. MoE models: `recorder` is the engine's
+    RoutingRecorder."""
     llm: object
     config: RolloutConfig
     schedule: list
@@ -281,6 +283,7 @@ class Engines:
     recorder: RoutingRecorder = None
     bands: dict = dataclasses.field(default_factory=dict)
     version: int = None
+    draft_version: int = None
     asleep: bool = False
 
     def active(self):
@@ -303,7 +306,7 @@ class Engines:
             self.llm.sleep(level=level)
             self.asleep = True
             if level == 2:
-                self.version = None
+                self.version = self.draft_version = None
 
     def wake(self):
         if self.asleep:
@@ -328,6 +331,7 @@ def build_engines(model_dir, rollout_config, rank):
                       # Built from the model directory: the weights before step 1, version 0 to
                       # vLLM too; with dummy weights none (-1), so the first rollout's push sends 0.
                       version=-1 if rc.load_format == "dummy" else 0)
+    engines.draft_version = engines.version
     if rc.auto_draft:
         engines.set_schedule(None)
     llm.update_weight_version(str(engines.version))
@@ -465,18 +469,29 @@ def all_engines_statistics(engines, statistics, rank, drafts_per_position=None):
 
 def push_weights(engines, model, version):
     """Push the trainer's weights (those after step `version`) into the engine unless it
-    holds them already. Every `check_draft_every` steps a drafting engine's draft is
-    checked against the trainer's (vllm_sync.check_draft raises StaleDraftError naming the
-    tensor)."""
+    holds them already: the target's, and the MTP draft's where the engine's schedule
+    drafts (`push_draft`; a draft left idle is brought up to date once a schedule drafts
+    again, and costs no push while it waits)."""
     engines.wake()
-    if engines.version == version:
+    if engines.version != version:
+        vllm_sync.push_to_vllm(model, engines.llm, weight_version=str(version), draft=False)
+        engines.version = version
+    if engines.draft_tokens() > 0:
+        push_draft(engines, model)
+
+
+def push_draft(engines, model):
+    """Bring a drafting engine's MTP draft up to the target's weights (`engines.version`)
+    unless it holds them; every `check_draft_every` steps it is then checked against the
+    trainer's (vllm_sync.check_draft raises StaleDraftError naming the tensor)."""
+    if engines.meter is None or engines.draft_version == engines.version:
         return
     # The fault-tolerance tests' hook for the stale-draft check: one push without the draft.
-    stale = os.environ.get(STALE_DRAFT_AT_ENV) == str(version)
-    vllm_sync.push_to_vllm(model, engines.llm, weight_version=str(version), draft=not stale)
-    engines.version = version
+    if os.environ.get(STALE_DRAFT_AT_ENV) != str(engines.version):
+        vllm_sync.push_to_vllm(model, engines.llm, target=False)
+    engines.draft_version = engines.version
     every = engines.config.check_draft_every
-    if engines.meter is not None and every and version % every == 0:
+    if every and engines.version % every == 0:
         vllm_sync.check_draft(model, engines.llm)
 
 
@@ -501,6 +516,7 @@ def tune_draft_tokens(engines, model, tokenizer, examples, step, check_params, r
 
     def check():
         push_weights(engines, model, step - 1)
+        push_draft(engines, model)
         spec_config.set_draft_tokens(engines.llm, rc.draft_tokens)
         num_engines = dist.get_world_size() // rc.rollout_tp
         _, outputs, _ = rollout(engines.llm, tokenizer, examples[:draft_tuner.ACCEPTANCE_CHECK_PROMPTS * num_engines],

@@ -6157,6 +6157,46 @@ def test_rollout_one_engine_per_device_under_auto_its_draft_idle_where_no_band_d
         assert result[name]["tokens"] == result["plain"], name
 
 
+def _idle_draft_pushed_when_it_drafts(checkpoint):
+    """An auto engine and a perturbed Megatron model (step 1's weights): the pushes sent and
+    whether the draft matches Megatron, with the draft idle and once a schedule drafts."""
+    from megatron_model import build_gpt_model
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel()
+    model = build_gpt_model(checkpoint)
+    hf_weights.load_hf_into_megatron(model, checkpoint)
+    _perturb(model, seed=1)
+    engines = rollout.build_engines(checkpoint, rollout.RolloutConfig(max_model_len=256,
+                                                                      kv_cache_bytes=WEIGHT_SYNC_KV_CACHE_BYTES), 0)
+    pushes, push = [], vllm_sync.push_to_vllm
+    vllm_sync.push_to_vllm = lambda *args, **kwargs: pushes.append((kwargs.get("target", True),
+                                                                    kwargs.get("draft", True))) or push(*args, **kwargs)
+
+    def draft_current():
+        try:
+            vllm_sync.check_draft(model, engines.llm)
+            return True
+        except vllm_sync.StaleDraftError:
+            return False
+    result = {}
+    for name, schedule in (("idle", None), ("drafting", [1] * len(spec_config.BAND_EDGES)), ("again", None)):
+        engines.set_schedule(schedule)
+        rollout.push_weights(engines, model, 1)
+        result[name] = {"pushes": list(pushes), "draft_version": engines.draft_version, "current": draft_current()}
+    vllm_sync.push_to_vllm = push
+    return result
+
+
+def test_rollout_an_idle_draft_is_pushed_once_a_schedule_drafts(tiny_checkpoint):
+    """Under auto a draft left idle gets no push (the default run: 5 s of 90 saved), and is
+    brought up to the target's weights, and checked, before the first rollout that drafts."""
+    result, = run_in_processes(_idle_draft_pushed_when_it_drafts, args=(tiny_checkpoint,), env=VLLM_ENV)
+    # (target, draft) per push: the target alone while idle; the draft holds step 0's weights.
+    assert result["idle"] == {"pushes": [(True, False)], "draft_version": 0, "current": False}
+    assert result["drafting"] == {"pushes": [(True, False), (False, True)], "draft_version": 1, "current": True}
+    assert result["again"] == result["drafting"]
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_rollout_records_vllm_moe_routing_and_megatron_replays_it(moe_checkpoints, family):
     result, = run_in_processes(_moe_routing_replay, args=(moe_checkpoints[family],), env=VLLM_ENV)

@@ -120,7 +120,7 @@ def _in_process_transfer(llm):
     return transfer
 
 
-def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=None, draft=True):
+def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=None, draft=True, target=True):
     """Copy the megatron model's weights into a colocated vLLM engine: target model and MTP draft.
 
     Call on every rank of the trainer (tensor-parallel shards are gathered, pipeline stages
@@ -131,7 +131,9 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     the largest tensor), not a second copy of the model; vLLM slices them for its own
     tensor-parallel layout. The main model goes to the target, the MTP layers to the
     draft (which shares embedding and output layer with the target); `draft=False` sends
-    the target alone (the MTP layers did not change, or a test makes the draft stale).
+    the target alone (the MTP layers did not change, the draft stays idle for now, or a
+    test makes the draft stale), `target=False` the draft alone (the target holds these
+    weights already).
 
     With vLLM's RL entry points available (the engine was built with
     `weight_transfer_config=in_process_weight_transfer_config()`) one weight-update
@@ -159,7 +161,7 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     summary = {"entry_points": "public" if transfer is not None else "load_weights", "tensors": 0, "bytes": 0,
                "buckets": 0, "largest_bucket_bytes": 0}
     with _expected_reload_warnings_filtered():
-        for layers in ("main", "mtp") if has_mtp_draft and model_has_mtp and draft else ("main",):
+        for layers in ("main",) * target + ("mtp",) * (has_mtp_draft and model_has_mtp and draft):
             load, finish = start_session(llm, layers)
             for bucket in _buckets(megatron_to_hf(model, layers), bucket_bytes):
                 load(bucket)
