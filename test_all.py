@@ -6842,6 +6842,74 @@ def test_mtp_matrix_is_written_for_the_docs(mtp_release_results):
 
 
 # ---------------------------------------------------------------------------------------
+# warm_start: the supervised model RL starts from: a built-in task's answers by cross entropy, cached
+# ---------------------------------------------------------------------------------------
+
+def test_warm_start_step_is_the_gradient_of_the_answers_cross_entropy():
+    # The trainer's loss under warm_start's settings (advantages 1, the ratio 1, no entropy
+    # bonus, no truncated IS) against -mean log p, by autograd.
+    loss_config = warm_start.train_config(warm_start.WarmStartConfig()).loss
+    assert (loss_config.entropy_coef, loss_config.tis_cap, loss_config.kl_coef) == (0.0, 0.0, 0.0)
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2])
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    per_token, _ = grpo_loss.policy_loss(logprobs, logprobs.detach(), torch.zeros(7), torch.ones(7),
+                                         clip_low=loss_config.clip_low, clip_high=loss_config.clip_high,
+                                         dual_clip=loss_config.dual_clip, tis_cap=loss_config.tis_cap,
+                                         loss=loss_config.loss)
+    gradient, = torch.autograd.grad(per_token.mean(), logits, retain_graph=True)
+    expected, = torch.autograd.grad(-logprobs.mean(), logits)
+    torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-7)
+
+
+def test_warm_start_builds_once_learns_and_is_rebuilt_when_its_inputs_change(tmp_path, capfd, monkeypatch):
+    base = tiny_model.build_tiny_model(str(tmp_path / "base"), "mimo")
+    out = str(tmp_path / "warm")
+    config = warm_start.WarmStartConfig(task="tail", steps=6, answers_per_step=8, lr=3e-3)
+    assert warm_start.warm_started(config, base, out) == out
+    printed = capfd.readouterr().out
+    # A progress line after the first step and the last, the cross entropy falling.
+    entropies = [float(value) for value in re.findall(r"cross entropy ([0-9.]+)", printed)]
+    assert len(entropies) == 2 and entropies[1] < entropies[0], printed
+    assert warm_start.is_built(config, base, out)
+    trained, initial = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(base, "model.safetensors"))
+    assert trained.keys() == initial.keys()
+    assert not torch.equal(trained["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+    # Reused as it is: no second stage.
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt a finished warm start"))
+    assert warm_start.warm_started(config, base, out) == out
+    # Another config, or a stage that never wrote its stamp, is not the same checkpoint.
+    assert not warm_start.is_built(dataclasses.replace(config, steps=7), base, out)
+    os.remove(os.path.join(out, warm_start.STAMP))
+    assert not warm_start.is_built(config, base, out)
+
+
+# ---------------------------------------------------------------------------------------
+# bench_runs: the rows that drive vLLM engines or whole runs
+# ---------------------------------------------------------------------------------------
+
+def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight():
+    def run(bands, rollout_s=12.0):
+        record = {"tune_s": 0.0, "rollout_s": rollout_s, "bands": {
+            label: {"tokens": tokens, "seconds": seconds} for label, (tokens, seconds) in bands.items()}}
+        return [record, dict(record, tune_s=1.0)]
+
+    # none: the thin band at 10 tok/s, the crowded one at 100; k = 3 thin at 30, crowded at 40.
+    none = run({"1": (100, 10.0), "65-128": (100, 1.0)})
+    fixed = [run({"1": (60, 3.0), "65-128": (80, 1.0)}), run({"1": (90, 3.0), "65-128": (40, 1.0)})]
+    # The none run's rollout phase: 2 x 12 s + 1 s of tune; the oracle's thin band takes
+    # 2 x 100 tokens at 30 tok/s instead of 20 s, the crowded one stays none's; the seconds
+    # saved are both engines', the wall clock saves half of them.
+    phase = 25.0
+    oracle = phase - (20.0 - 200 / 30) / 2
+    assert bench_runs.rl_oracle_speedup(none, fixed, engines=2) == pytest.approx(phase / oracle, rel=1e-12)
+    assert bench_runs.rl_oracle_speedup(none, [], engines=2) == pytest.approx(1.0)
+    drafted = [{"acceptance_by_depth": [0.9, 0.8, 0.6]}, {"acceptance_by_depth": [0.7, 0.6, 0.4]},
+               {"acceptance_by_depth": None}]
+    assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
+
+
+# ---------------------------------------------------------------------------------------
 # flags: parses, checks and resolves the command line once, into the settings every config is built from
 # ---------------------------------------------------------------------------------------
 
@@ -7183,74 +7251,6 @@ def test_flags_plan_inputs_are_read_only_with_plan_and_a_bad_size_is_named():
     assert "--plan-world-size 8: only read with --plan" in problems
     with pytest.raises(SystemExit, match="argument --device-memory: '80 gigs': expected a positive size"):
         flags.parse_args(["--plan", "--device-memory", "80 gigs"])
-
-
-# ---------------------------------------------------------------------------------------
-# warm_start: the supervised model RL starts from: a built-in task's answers by cross entropy, cached
-# ---------------------------------------------------------------------------------------
-
-def test_warm_start_step_is_the_gradient_of_the_answers_cross_entropy():
-    # The trainer's loss under warm_start's settings (advantages 1, the ratio 1, no entropy
-    # bonus, no truncated IS) against -mean log p, by autograd.
-    loss_config = warm_start.train_config(warm_start.WarmStartConfig()).loss
-    assert (loss_config.entropy_coef, loss_config.tis_cap, loss_config.kl_coef) == (0.0, 0.0, 0.0)
-    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2])
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    per_token, _ = grpo_loss.policy_loss(logprobs, logprobs.detach(), torch.zeros(7), torch.ones(7),
-                                         clip_low=loss_config.clip_low, clip_high=loss_config.clip_high,
-                                         dual_clip=loss_config.dual_clip, tis_cap=loss_config.tis_cap,
-                                         loss=loss_config.loss)
-    gradient, = torch.autograd.grad(per_token.mean(), logits, retain_graph=True)
-    expected, = torch.autograd.grad(-logprobs.mean(), logits)
-    torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-7)
-
-
-def test_warm_start_builds_once_learns_and_is_rebuilt_when_its_inputs_change(tmp_path, capfd, monkeypatch):
-    base = tiny_model.build_tiny_model(str(tmp_path / "base"), "mimo")
-    out = str(tmp_path / "warm")
-    config = warm_start.WarmStartConfig(task="tail", steps=6, answers_per_step=8, lr=3e-3)
-    assert warm_start.warm_started(config, base, out) == out
-    printed = capfd.readouterr().out
-    # A progress line after the first step and the last, the cross entropy falling.
-    entropies = [float(value) for value in re.findall(r"cross entropy ([0-9.]+)", printed)]
-    assert len(entropies) == 2 and entropies[1] < entropies[0], printed
-    assert warm_start.is_built(config, base, out)
-    trained, initial = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(base, "model.safetensors"))
-    assert trained.keys() == initial.keys()
-    assert not torch.equal(trained["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
-    # Reused as it is: no second stage.
-    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt a finished warm start"))
-    assert warm_start.warm_started(config, base, out) == out
-    # Another config, or a stage that never wrote its stamp, is not the same checkpoint.
-    assert not warm_start.is_built(dataclasses.replace(config, steps=7), base, out)
-    os.remove(os.path.join(out, warm_start.STAMP))
-    assert not warm_start.is_built(config, base, out)
-
-
-# ---------------------------------------------------------------------------------------
-# bench_runs: the rows that drive vLLM engines or whole runs
-# ---------------------------------------------------------------------------------------
-
-def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight():
-    def run(bands, rollout_s=12.0):
-        record = {"tune_s": 0.0, "rollout_s": rollout_s, "bands": {
-            label: {"tokens": tokens, "seconds": seconds} for label, (tokens, seconds) in bands.items()}}
-        return [record, dict(record, tune_s=1.0)]
-
-    # none: the thin band at 10 tok/s, the crowded one at 100; k = 3 thin at 30, crowded at 40.
-    none = run({"1": (100, 10.0), "65-128": (100, 1.0)})
-    fixed = [run({"1": (60, 3.0), "65-128": (80, 1.0)}), run({"1": (90, 3.0), "65-128": (40, 1.0)})]
-    # The none run's rollout phase: 2 x 12 s + 1 s of tune; the oracle's thin band takes
-    # 2 x 100 tokens at 30 tok/s instead of 20 s, the crowded one stays none's; the seconds
-    # saved are both engines', the wall clock saves half of them.
-    phase = 25.0
-    oracle = phase - (20.0 - 200 / 30) / 2
-    assert bench_runs.rl_oracle_speedup(none, fixed, engines=2) == pytest.approx(phase / oracle, rel=1e-12)
-    assert bench_runs.rl_oracle_speedup(none, [], engines=2) == pytest.approx(1.0)
-    drafted = [{"acceptance_by_depth": [0.9, 0.8, 0.6]}, {"acceptance_by_depth": [0.7, 0.6, 0.4]},
-               {"acceptance_by_depth": None}]
-    assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
 
 
 # ---------------------------------------------------------------------------------------
