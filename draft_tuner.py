@@ -286,9 +286,9 @@ class DraftTuner:
         `margin`): with each candidate of the bands PLAIN ran measured, those bands at their
         fastest k (k = 0 at most at PLAIN's speed), even with the other bands free, do not
         beat PLAIN's whole rollout at most (those bands at their k = 0 speed, which PLAIN's
-        idle draft beats) by `margin`. A band a try reaches now and then (a few sequences ending early) opens
-        candidates of its own, but cannot buy back a loss in the bands that hold the tokens;
-        False where such a band never ran k = 0."""
+        idle draft beats) by `margin`. A band a try reaches now and then (a few sequences
+        ending early) opens candidates of its own, but cannot buy back a loss in the bands
+        that hold the tokens; False where such a band never ran k = 0."""
         plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
         if any(tokens and plain[band] and self._unmeasured(band, least=1) for band, tokens in enumerate(self.band_tokens)):
             return False  # a k not yet tried where the tokens are may still beat PLAIN
