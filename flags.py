@@ -678,7 +678,9 @@ def rollout_context(settings, hf_config, longest_prompt):
     needed = memory_plan.kv_cache_bytes(hf_config, plan, settings.mtp_rollout, max_model_len)
     kv_cache_bytes = settings.kv_cache_bytes
     if kv_cache_bytes is None:
-        sequences = settings.prompts_per_step * settings.group_size * settings.rollout_tp
+        # The rollout's completions and the probe riding along (rollout.probe_params): one
+        # block fewer queues a request, and the batch then samples other tokens.
+        sequences = settings.prompts_per_step * settings.group_size * settings.rollout_tp + 1
         batch = memory_plan.kv_cache_bytes(hf_config, plan, settings.mtp_rollout, longest_prompt + generated + drafts,
                                            sequences)
         kv_cache_bytes = max(needed, min(batch, ROLLOUT.kv_cache_bytes))
