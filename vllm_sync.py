@@ -148,6 +148,8 @@ def push_to_vllm(model, llm, bucket_bytes=DEFAULT_BUCKET_BYTES, weight_version=N
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes}: expected a positive number of bytes")
+    if not (target or draft):
+        raise ValueError("target=False and draft=False: nothing to push; expected the target, the draft or both")
     transfer = _in_process_transfer(llm)
     speculative = llm.llm_engine.vllm_config.speculative_config
     has_mtp_draft = speculative is not None and speculative.method == "mtp"
