@@ -665,12 +665,13 @@ def rollout_context(settings, hf_config, longest_prompt):
     """The settings with the engines' max_model_len and engine_kv_cache_bytes: the longest
     prompt (in tokens) plus the most tokens a request generates (--max-new-tokens; auto's
     acceptance check) plus the draft tokens of the last verify step, at least
-    rollout.MIN_MODEL_LEN, capped by the model's max_position_embeddings. A published 128k context would ask for KV cache the run never
-    uses. On CPU, where --kv-cache-bytes sizes the cache, a context that does not fit it is
-    a `usage_error` (train_grpo asks once the tokenizer loads, before any model). Without
-    --kv-cache-bytes the cache holds one rollout's batch, each sequence in whole blocks (at
-    most the 256 MiB default of RolloutConfig unless one context needs more): vLLM writes
-    every page of its cache, so a larger one is resident memory no rollout uses."""
+    rollout.MIN_MODEL_LEN, capped by the model's max_position_embeddings. A published 128k
+    context would ask for KV cache the run never uses. On CPU, where --kv-cache-bytes sizes
+    the cache, a context that does not fit it is a `usage_error` (train_grpo asks once the
+    tokenizer loads, before any model). Without --kv-cache-bytes the cache holds one
+    rollout's batch, each sequence in whole blocks (at most the 256 MiB default of
+    RolloutConfig unless one context needs more): vLLM writes every page of its cache, so a
+    larger one is resident memory no rollout uses."""
     generated = max(settings.max_new_tokens, draft_tuner.ACCEPTANCE_CHECK_TOKENS if settings.auto_draft else 0)
     drafts = settings.draft_tokens if settings.mtp_rollout else 0
     max_model_len = min(max(longest_prompt + generated + drafts, rollout.MIN_MODEL_LEN), settings.max_positions)
