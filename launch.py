@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import checkpoint
 import draft_tuner
+import flag_checks
 import flags
 import grpo_loss
 import hf_weights
@@ -201,7 +202,7 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
         # ask for KV cache the run never uses): refused here when it does not fit.
         longest = refusing(tasks.check_prompts, examples + held_out, tokenizer, s.max_positions, s.max_new_tokens)
         longest = max(longest, len(tasks.prompt_token_ids(tokenizer, rollout.PROBE_PROMPT)))
-        hf_config = flags.model_config(settings)
+        hf_config = flag_checks.model_config(settings)
         settings = flags.rollout_context(settings, hf_config, longest)
         # The checkpoint's meta keeps the settings with the engines' context.
         s = dataclasses.replace(s, resolved_flags=vars(settings))
@@ -330,7 +331,7 @@ def prepare(args, world_size):
     s = flags.check_args(args, world_size)
     if s.plan:
         # Before any process group or model: the layout judged from config.json alone.
-        hf_config = flags.model_config(s)
+        hf_config = flag_checks.model_config(s)
         config = run_configs.plan_config(s, world_size, bf16=args.bf16 is not False)
         try:
             plan = memory_plan.device_plan(hf_config, config)

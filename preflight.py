@@ -2,7 +2,7 @@
 the outputs it will write.
 
     refuse_locked_out(sys.argv[1:])                  # before the heavy imports: a second run on --out
-    problems = config_problems(model_dir)            # config.json there and parsing (flags.py asks)
+    problems = config_problems(model_dir)            # config.json there and parsing (flag_checks.py asks)
     problems = run_problems(model_dir, out)          # weights, tokenizer, --out writable, room to save
 
 Each check is cheap (headers and metadata only, no tensor is read) and names the file and
@@ -160,7 +160,7 @@ def parameter_count(model_dir):
 
 def config_problems(model_dir):
     """[one line] when `model_dir` holds no config.json, or one that does not parse: asked
-    before any of its fields is (flags.py)."""
+    before any of its fields is (flag_checks.py)."""
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         return [f"--model {model_dir!r}: no config.json there; expected a Hugging Face checkpoint dir"]

@@ -112,6 +112,12 @@ TASKS = {
 }
 MAX_COUNT_STEP = 9
 DATA_FORMATS = (".jsonl", ".parquet")
+# A --data run's defaults, as TASKS gives each built-in task's. A data file's default
+# response limit is short answers (a number); reasoning needs --max-new-tokens.
+DATA_LR = 3e-4
+DATA_MAX_NEW_TOKENS = 3
+DATA_STEPS = 150
+DATA_PROMPTS_PER_STEP = 16
 DEFAULT_PROMPT_KEY = "prompt"
 # Where an example's answer lives when no answer key is given: our layout's "answer",
 # then verl's (its example preprocessors write reward_model = {style, ground_truth}).

@@ -43,6 +43,7 @@ import checkpoint
 import cp_thd
 import cpu_backend
 import draft_tuner
+import flag_checks
 import flags
 import forward
 import grpo_loss
@@ -923,7 +924,7 @@ def _qwen35_layout_results(checkpoint):
 def _settings(given=(), world_size=1):
     """train_grpo's resolved settings for `given`: what a run of `world_size` processes with them uses."""
     args = flags.parse_args(list(given))
-    return flags.resolve(args, flags.model_config(args), world_size)
+    return flags.resolve(args, flag_checks.model_config(args), world_size)
 
 
 def _torchrun(out, *flags, torchrun_flags=("--nproc_per_node", "2"), env=None, node_count=1):
@@ -3358,7 +3359,7 @@ def test_rewards_user_reward_is_checked_before_any_work_and_stops_on_bad_values(
                 f"{broken}:f": "does not import (ModuleNotFoundError",
                 str(path): "expected FILE.py:FUNCTION"}
     for spec, message in expected.items():
-        problems = flags.flag_problems(flags.parse_args(["--reward", spec]), world_size=2)
+        problems = flag_checks.flag_problems(flags.parse_args(["--reward", spec]), world_size=2)
         assert len(problems) == 1 and problems[0].startswith(f"--reward {spec!r}: ") and message in problems[0], problems
     # At step time (every rank scores every sample, before the optimizer step).
     sample = {"example": {"prompt": "repeat:a", "answer": "aaa"}, "text": "abc", "response_ids": [1, 2, 3]}
@@ -3831,13 +3832,13 @@ def test_tasks_loads_jsonl_and_parquet_in_ours_and_verls_layout_and_names_bad_ro
     # Flags: the extension and the keys are checked before any work.
     table = tmp_path / "table.csv"
     table.write_text("prompt,answer\n")
-    assert flags.flag_problems(flags.parse_args(["--data", str(table)]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--data", str(table)]), 2) == [
         f"--data {str(table)!r}: extension '.csv' is not read; expected .jsonl or .parquet"]
-    assert flags.flag_problems(flags.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--data", verl, "--answer-key", "reward_model."]), 2) == [
         "--answer-key 'reward_model.': expected a field name or a dotted path such as reward_model.ground_truth"]
-    assert flags.flag_problems(flags.parse_args(["--prompt-key", "question"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--prompt-key", "question"]), 2) == [
         "--prompt-key 'question': only read with --data (the built-in task has its own examples)"]
-    assert flags.flag_problems(flags.parse_args(["--data", verl, "--prompt-key", "prompt",
+    assert flag_checks.flag_problems(flags.parse_args(["--data", verl, "--prompt-key", "prompt",
                                                            "--answer-key", "reward_model.ground_truth"]), 2) == []
 
 
@@ -4098,7 +4099,7 @@ def test_checkpoint_resume_skips_a_truncated_one_and_refuses_another_layout(unin
         train_grpo.main(flags.parse_args(["--out", str(out)]))
     assert str(refused.value.code).startswith(f"train_grpo.py: --resume auto: {out / 'checkpoints' / 'step_000004'} "
                                               "was saved with world_size 2; this run has world_size 1")
-    assert flags.flag_problems(flags.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
+    assert flag_checks.flag_problems(flags.parse_args(["--out", str(out), "--resume", "never"]), 2)[0] \
         .startswith(f"--resume never: {out / 'checkpoints'} holds checkpoints of an earlier run")
     # What a resumed run keeps of metrics.jsonl: each step once, up to the checkpoint.
     kept = checkpoint.keep_records(str(out / "metrics.jsonl"), 4)
@@ -4885,7 +4886,7 @@ def test_megatron_model_refuses_each_published_field_it_does_not_implement_by_na
     model_dir = tmp_path / "glm"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({**glm, "norm_topk_prob": False}))
-    problems = flags.model_problems(flags.parse_args(["--model", str(model_dir)]), {**glm, "norm_topk_prob": False})
+    problems = flag_checks.model_problems(flags.parse_args(["--model", str(model_dir)]), {**glm, "norm_topk_prob": False})
     assert problems == [f"--model {str(model_dir)!r}: config.json norm_topk_prob=False: this project builds top-k "
                         "weights normalised to sum 1; expected True"]
 
@@ -6258,7 +6259,7 @@ def _rollout_prompt_ids(checkpoint, data):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     longest = max(len(tasks.prompt_token_ids(tokenizer, prompt))
                   for prompt in [e["prompt"] for e in examples] + [rollout.PROBE_PROMPT])
-    settings = flags.rollout_context(settings, flags.model_config(settings), longest)
+    settings = flags.rollout_context(settings, flag_checks.model_config(settings), longest)
     llm = rollout.build_engine(checkpoint, run_configs.rollout_config(settings), rank, draft_tokens=1)
     params = rollout.sampling_params(settings.group_size, 1.0, settings.max_new_tokens, ignore_eos=False)
     samples, outputs, probed = rollout.rollout(llm, tokenizer, examples, params, 1, rank, probe=True)
@@ -6985,10 +6986,10 @@ RECIPE_REFUSALS = {
 @pytest.mark.parametrize("kind", RECIPE_REFUSALS)
 def test_flags_refuses_recipe_flags_where_they_mean_nothing(kind):
     given, expected = RECIPE_REFUSALS[kind]
-    problems = flags.flag_problems(flags.parse_args(["--out", "unused", *given]), 2)
+    problems = flag_checks.flag_problems(flags.parse_args(["--out", "unused", *given]), 2)
     assert len(problems) == 1 and expected in problems[0], problems
     # The same given with what makes them mean something are taken.
-    assert flags.sampling_problems(flags.parse_args(["--data", "gsm8k_sample.jsonl", "--dynamic-sampling"]))\
+    assert flag_checks.sampling_problems(flags.parse_args(["--data", "gsm8k_sample.jsonl", "--dynamic-sampling"]))\
         == []
 
 
@@ -7099,7 +7100,7 @@ def test_flags_drafting_is_settled_once_and_every_reader_takes_it(case):
 
 def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_name():
     where = "the built-in qwen3.5 model"
-    assert flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
+    assert flag_checks.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--cp", "2", "--shared-prefix"]),
                                world_size=2) == [
         "--shared-prefix: its layout is context parallel size 1 (this run has --cp 2); leave the flag out",
         f"--cp 2: {where}'s gated-DeltaNet layers have no context-parallel form (a rank would need the recurrent "
@@ -7108,7 +7109,7 @@ def test_flags_refuse_qwen35_context_parallel_shared_prefix_and_cpu_engines_by_n
         "here are fp32, as the trainer is), its Qwen3.5 module imports torchvision (absent from the CPU stack) and "
         "its engine aborts when the MTP head drafts; the trainer side builds and matches transformers "
         "(docs/QWEN35.md); expected a GPU"]
-    problems = flags.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--shared-prefix"]), world_size=2)
+    problems = flag_checks.flag_problems(flags.parse_args(["--builtin-model", "qwen3.5", "--shared-prefix"]), world_size=2)
     assert problems[0] == (f"--shared-prefix: {where}'s gated-DeltaNet layers carry a recurrent state along each "
                            "sequence, which the layout would have to fork at the end of every shared prompt; leave "
                            "the flag out") and len(problems) == 2
@@ -7124,31 +7125,31 @@ def test_flags_expert_parallel_runs_where_ranks_hold_other_token_counts(tmp_path
     data.write_text("".join(json.dumps({"prompt": f"{n}+1=", "answer": str(n + 1)}) + "\n" for n in (1, 22, 333)))
     for given in (["--data", str(data)], ["--task", "walk"], ["--max-tokens-per-micro-batch", "64"]):
         for model in ("deepseek", "glm"):
-            assert flags.flag_problems(flags.parse_args(["--builtin-model", model, "--ep", "2", *given]), 2) == [], given
+            assert flag_checks.flag_problems(flags.parse_args(["--builtin-model", model, "--ep", "2", *given]), 2) == [], given
     assert megatron_model.transformer_config(tiny_model.deepseek_config(), expert_parallel=2) \
         .moe_token_dispatcher_type == megatron_model.MOE_TOKEN_DISPATCHER == "alltoall"
 
 
 def test_flags_pp_is_checked_against_the_world_the_layers_and_what_stages_cannot_run():
-    assert flags.flag_problems(flags.parse_args(["--pp", "2"]), world_size=2) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--pp", "2"]), world_size=2) == []
     settings = flags.check_args(flags.parse_args(["--pp", "2"]), world_size=2)
     # Each prompt's completions trained apart (no shared prefix), stages in the train config.
     assert not settings.shared_prefix and run_configs.train_config(settings).pp == 2
     assert not flags.check_args(flags.parse_args(["--pp", "2", "--builtin-model", "deepseek"]), 4).routing_replay
-    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--tp", "2"]), world_size=2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--pp", "2", "--tp", "2"]), world_size=2) == [
         "--tp 2 x --cp 1 x --pp 2 = 4: expected a divisor of the world size 2",
         "--tp 2 x --ep 1 x --pp 2 = 4: expected a divisor of the world size 2"]
-    assert flags.flag_problems(flags.parse_args(["--pp", "4"]), world_size=4) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--pp", "4"]), world_size=4) == [
         "--pp 4: expected a divisor of the built-in tiny model's 2 decoder layers (num_hidden_layers; every stage "
         "holds as many)"]
-    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--kl-coef", "0.1", "--routing-replay"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--pp", "2", "--kl-coef", "0.1", "--routing-replay"]), 2) == [
         "--kl-coef with --pp 2: its reference model's forward does not run over stages; leave the flag out or use "
         "--pp 1",
         "--routing-replay with --pp 2: each stage's routers hold only its layers' share of the rollout's routing; "
         "leave the flag out or use --pp 1"]
-    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--shared-prefix"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--pp", "2", "--shared-prefix"]), 2) == [
         "--shared-prefix: it runs without pipeline stages (this run has --pp 2); leave the flag out"]
-    assert flags.flag_problems(flags.parse_args(["--pp", "2", "--max-tokens-per-micro-batch", "64"]), 2) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--pp", "2", "--max-tokens-per-micro-batch", "64"]), 2) == []
     assert not flags.check_args(flags.parse_args(["--pp", "2"]), world_size=4).distributed_optimizer  # saves 8 MB
     assert flags.check_args(flags.parse_args(["--pp", "2", "--distributed-optimizer"]), world_size=4).distributed_optimizer
     with pytest.raises(SystemExit, match="argument --pp: '0': expected an int >= 1|argument --pp: 0: expected"):
@@ -7170,44 +7171,44 @@ def test_flags_checks_every_range_and_the_model_before_any_work(tmp_path):
             flags.parse_args([flag, value])
         assert f"train_grpo.py: argument {flag}: {message}" in str(refused.value.code), (flag, refused.value.code)
     assert flags.parse_args(["--dual-clip", "1.01", "--check-draft-every", "0"]).check_draft_every == 0
-    assert flags.flag_problems(flags.parse_args([]), world_size=2) == []
-    assert flags.flag_problems(flags.parse_args(["--tp", "3"]), world_size=2) == [
+    assert flag_checks.flag_problems(flags.parse_args([]), world_size=2) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--tp", "3"]), world_size=2) == [
         "--tp 3 x --cp 1 = 3: expected a divisor of the world size 2"]
-    assert flags.flag_problems(flags.parse_args(["--spec-config", '{"num_speculative_tokens": 0}']), 2) \
+    assert flag_checks.flag_problems(flags.parse_args(["--spec-config", '{"num_speculative_tokens": 0}']), 2) \
         == ["--spec-config '{\"num_speculative_tokens\": 0}': num_speculative_tokens must be an int >= 1, got 0"]
     no_mtp = tiny_model.build_tiny_model(str(tmp_path / "no-mtp"), num_mtp_layers=0)
-    assert flags.flag_problems(flags.parse_args(["--model", no_mtp, "--mtp-rollout"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", no_mtp, "--mtp-rollout"]), 2) == [
         f"--mtp-rollout: {no_mtp} has no MTP layers (num_nextn_predict_layers is 0); pass --no-mtp-rollout"]
-    assert flags.flag_problems(flags.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", no_mtp, "--tp", "4"]), 4) == [
         f"--tp 4: expected a divisor of {no_mtp}'s 2 key/value heads"]
     with pytest.raises(SystemExit, match="argument --num-speculative-tokens: '0': expected auto or an int in 1..8"):
         flags.parse_args(["--num-speculative-tokens", "0"])
     assert flags.parse_args(["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
-    assert flags.flag_problems(flags.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
+    assert flag_checks.flag_problems(flags.parse_args(["--count-step", "2", "--builtin-model", "deep", "--model",
                                                            no_mtp]), 2) == [
         f"--builtin-model deep: only used without --model (this run has --model {no_mtp!r})",
         "--count-step 2: only read with --task count"]
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2}))
-    assert flags.flag_problems(flags.parse_args(["--model", str(llama)]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", str(llama)]), 2) == [
         f"--model {str(llama)!r}: architecture LlamaForCausalLM is not one this project builds; expected "
         "MiMoForCausalLM or DeepseekV3ForCausalLM or Glm4MoeForCausalLM or Qwen3_5ForCausalLM"]
     glm = tiny_model.build_tiny_model(str(tmp_path / "glm"), "glm")
-    assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "2"]), 2) == []
-    assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "4"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", glm, "--ep", "2"]), 2) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--model", glm, "--ep", "4"]), 2) == [
         "--tp 1 x --ep 4 = 4: expected a divisor of the world size 2"]
-    assert flags.flag_problems(flags.parse_args(["--model", glm, "--ep", "3"]), 3) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", glm, "--ep", "3"]), 3) == [
         f"--ep 3: expected a divisor of {glm}'s 8 routed experts"]
-    assert flags.flag_problems(flags.parse_args(["--model", glm, "--tp", "2"]), 2) == []
-    assert flags.flag_problems(flags.parse_args(["--model", glm, "--tp", "2", "--shared-prefix"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", glm, "--tp", "2"]), 2) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--model", glm, "--tp", "2", "--shared-prefix"]), 2) == [
         f"--shared-prefix: {glm} is an MoE model, which trains under --tp 2 with sequence parallelism, and the "
         "layout has none; leave the flag out"]
     assert not flags.check_args(flags.parse_args(["--model", glm, "--tp", "2"]), 2).shared_prefix
-    assert flags.flag_problems(flags.parse_args(["--ep", "2"]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--ep", "2"]), 2) == [
         "--ep 2: the built-in tiny model has no experts; expected --ep 1"]
     missing = str(tmp_path / "missing")
-    assert flags.flag_problems(flags.parse_args(["--model", missing, "--resume", missing]), 2) == [
+    assert flag_checks.flag_problems(flags.parse_args(["--model", missing, "--resume", missing]), 2) == [
         f"--model {missing!r}: no config.json there; expected a Hugging Face checkpoint dir",
         f"--resume {missing!r}: no such directory; expected auto, never, afresh or a checkpoint dir"]
 
@@ -7225,8 +7226,8 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
     assert not _settings(world_size=2).distributed_optimizer and not _settings(world_size=1).distributed_optimizer
     assert _settings(["--distributed-optimizer"], world_size=2).distributed_optimizer
     assert _settings().max_tokens_per_micro_batch == 0
-    assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512"]), 2) == []
-    assert flags.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512", "--micro-batches", "2",
+    assert flag_checks.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512"]), 2) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--max-tokens-per-micro-batch", "512", "--micro-batches", "2",
                                                  "--cp", "2"]), 2) == [
         "--max-tokens-per-micro-batch 512 with --micro-batches 2: the token budget decides how many micro-batches; "
         "expected one of the two",
@@ -7256,7 +7257,7 @@ def test_flags_distributed_optimizer_and_token_budget_resolve_refuse_and_resume(
 def test_flags_plan_inputs_are_read_only_with_plan_and_a_bad_size_is_named():
     args = flags.parse_args(["--device-memory", "80GB", "--plan-world-size", "8"])
     assert args.device_memory == 80 * 10**9
-    problems = flags.layout_problems(args, 1)
+    problems = flag_checks.layout_problems(args, 1)
     assert "--device-memory 80000000000: only read with --plan" in problems
     assert "--plan-world-size 8: only read with --plan" in problems
     with pytest.raises(SystemExit, match="argument --device-memory: '80 gigs': expected a positive size"):
@@ -7818,7 +7819,7 @@ def test_train_grpo_every_save_failing_verification_is_refused_naming_each_and_n
     # start each failed save is set aside, where no later save prunes it.
     layout = launch.run_layout(_settings(["--out", out]), world_size=1)
     assert checkpoint.choose_checkpoint(out, "afresh", layout) is None
-    assert flags.flag_problems(flags.parse_args(["--out", out, "--resume", "afresh"]), 1) == []
+    assert flag_checks.flag_problems(flags.parse_args(["--out", out, "--resume", "afresh"]), 1) == []
     assert checkpoint.set_aside_failed(out, None) == [f"{root}/step_000005.corrupt", f"{root}/step_000004.corrupt"]
     for step in (1, 2, 3, 4):
         run_in_processes(_save_resumable, args=(out, ["--out", out], step))
@@ -7865,10 +7866,10 @@ def test_train_grpo_draft_depths_past_what_pays_or_the_mtp_layers_are_refused_wi
     assert _refused_by_main(["--model", two_mtp_checkpoint, "--num-speculative-tokens", "3", "--out", str(out)],
                             monkeypatch) == (f"train_grpo.py: bad flags:\n  --num-speculative-tokens 3: "
                                              f"{two_mtp_checkpoint}'s 2 MTP layers draft 1..2 tokens or a multiple of 2")
-    assert flags.flag_problems(flags.parse_args(["--model", two_mtp_checkpoint, "--max-speculative-tokens", "3"]), 2) \
+    assert flag_checks.flag_problems(flags.parse_args(["--model", two_mtp_checkpoint, "--max-speculative-tokens", "3"]), 2) \
         == [f"--max-speculative-tokens 3: {two_mtp_checkpoint}'s 2 MTP layers draft 1..2 tokens or a multiple of 2"]
     for deepest in ("1", "2", "4", "8"):
-        assert flags.flag_problems(flags.parse_args(["--model", two_mtp_checkpoint, "--num-speculative-tokens",
+        assert flag_checks.flag_problems(flags.parse_args(["--model", two_mtp_checkpoint, "--num-speculative-tokens",
                                                      deepest]), 2) == []
     assert not out.exists()
 
