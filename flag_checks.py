@@ -201,6 +201,16 @@ def model_problems(args, hf_config):
     if args.mtp_rollout and not mtp_layers:
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")
+    depths = args.mtp_train_depths
+    if depths is not None and (not args.mtp_train or not mtp_layers):
+        problems.append(f"--mtp-train-depths {depths}: " + ("only read with --mtp-train" if mtp_layers else
+                                                            f"{where} has no MTP layers to train"))
+    elif depths is not None and depths % mtp_layers:
+        problems.append(f"--mtp-train-depths {depths}: {where}'s {mtp_layers} MTP layers train whole rounds: "
+                        f"expected a multiple of {mtp_layers}")
+    elif depths is not None and depths > mtp_layers and args.pp > 1:
+        problems.append(f"--mtp-train-depths {depths} with --pp {args.pp}: the MTP layers run again in turn on "
+                        "one stage only; expected --pp 1 or at most the model's MTP layers")
     auto, deepest = draft_plan(args, mtp_rollout=True)
     if args.mtp_rollout is not False and mtp_layers and deepest > mtp_layers and deepest % mtp_layers:
         # vLLM drafts past its MTP layers by running them again in turn, whole rounds only.

@@ -325,6 +325,11 @@ def add_mtp_flags(p):
                         "cross entropy, or tv, the total variation 1 - sum_v min(p, q), one minus the chance that a "
                         "draft sampled from the head is accepted, so it maximises the acceptance directly (plus a "
                         "small cross entropy, which steers a head far from the policy)")
+    p.add_argument("--mtp-train-depths", type=POSITIVE_INT, default=TRAIN.mtp_train_depths,
+                   help="MTP depths the head trains: past the model's MTP layers they run again in turn on their own "
+                        "outputs, as vLLM drafts more tokens than the model has MTP layers (depth d learns token t + d "
+                        "+ 1 from the depth before's output); a multiple of the MTP layers; default: one depth per "
+                        "MTP layer")
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
                    help="MTP draft tokens per verify step, or auto: the k in 0..--max-speculative-tokens (0: no "
                         "drafting) whose rollouts run fastest: every --tune-every steps, and when the acceptance "
@@ -367,9 +372,9 @@ def parse_args(argv=None):
 
 def resolve(args, hf_config, world_size=1):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
-    ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds, shared_prefix,
-    distributed_optimizer (run_configs.distributed_optimizer_pays), the built-in model's name, `draft_plan`'s
-    auto_draft and draft_tokens); `args` is untouched."""
+    ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds,
+    shared_prefix, `mtp_train_depths`, distributed_optimizer (run_configs.distributed_optimizer_pays),
+    the built-in model's name, `draft_plan`'s auto_draft and draft_tokens); `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
     auto_draft, draft_tokens = flag_checks.draft_plan(args, mtp_rollout)
@@ -389,11 +394,22 @@ def resolve(args, hf_config, world_size=1):
         "max_sampling_rounds": (args.max_sampling_rounds or DEFAULT_SAMPLING_ROUNDS) if args.dynamic_sampling else 1,
         "shared_prefix": (flag_checks.shared_prefix_obstacle(args, hf_config) is None if args.shared_prefix is None
                           else args.shared_prefix),
+        "mtp_train_depths": mtp_train_depths(args, hf_config),
     }
     settings = argparse.Namespace(**{**vars(args), **derived})
     if args.distributed_optimizer is None:
         settings.distributed_optimizer = run_configs.distributed_optimizer_pays(settings, hf_config, world_size)
     return settings
+
+
+def mtp_train_depths(args, hf_config):
+    """--mtp-train-depths, else the built-in task's (tasks.TASKS) where the model's MTP layers
+    divide it and one stage holds them, else None: one depth per MTP layer."""
+    if args.mtp_train_depths is not None:
+        return args.mtp_train_depths
+    layers = hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
+    depths = None if args.data else tasks.TASKS[args.task]["mtp_train_depths"]
+    return depths if depths and layers and depths % layers == 0 and args.pp == 1 else None
 
 
 def check_args(args, world_size):

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from cp_thd import ThdBatch, pack_shared_prefix, pack_thd
-from mtp_patch import MTP_TARGETS_ATTRIBUTE, patched
+from mtp_patch import MTP_TARGETS_ATTRIBUTE, mtp_depths, patched
 from mtp_policy_target import POLICY_TARGET_LOSSES, policy_target
 
 # What the MTP head learns (`forward_logprobs`' mtp_target): the sampled next tokens, or the
@@ -244,7 +244,7 @@ def _packed_batch(model, input_ids, seqlens, loss_mask, cp_group, *, pad_id, pad
         return pack_thd(input_ids, seqlens, cp_size=cp_group.size(), cp_rank=cp_group.rank(),
                         tp_size=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
                         pad_multiple=pad_multiple, pad_id=pad_id)
-    mtp_depth = (config.mtp_num_layers or 0) if mtp_train else 0
+    mtp_depth = mtp_depths(model) if mtp_train else 0
     _check_shared_prefix_layout(model, cp_group.size(), pad_multiple, prefix_group_size, len(seqlens), mtp_depth)
     shared_lengths = shared_prefix_lengths(input_ids, seqlens, loss_mask, prefix_group_size, mtp_depth)
     batch = pack_shared_prefix(input_ids, seqlens, group_size=prefix_group_size, shared_lengths=shared_lengths)

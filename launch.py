@@ -53,7 +53,8 @@ def write_builtin_model(name, task=None):
     directory = tiny_model.build_tiny_model(directory, family, **sizes)
     if task is None or not tasks.TASKS[task]["warm_start"]:
         return directory
-    return warm_start.warm_started(warm_start.WarmStartConfig(task=task), directory, f"{directory}-{task}")
+    config = warm_start.WarmStartConfig(task=task, mtp_train_depths=tasks.TASKS[task]["mtp_train_depths"])
+    return warm_start.warm_started(config, directory, f"{directory}-{task}")
 
 
 def load_inputs(data, seed):

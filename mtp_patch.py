@@ -8,8 +8,8 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
 1. Decoupled MTP loss (`decouple=True`, the default): the MTP loss trains only the MTP
    layers. The trunk's hidden states and the token embeddings enter the MTP layers
    detached, and the MTP logits use a detached output-layer weight.
-2. The MTP loss is normalised per token, with `mtp_loss_scaling_factor / mtp_num_layers`
-   per depth, and a token count clamped to >= 1: a shard whose loss mask is all zeros
+2. The MTP loss is normalised per token, with `mtp_loss_scaling_factor / depths` per depth
+   (one depth per MTP layer unless item 10 says more), and a token count clamped to >= 1: a shard whose loss mask is all zeros
    (common under context parallelism with short responses) contributes exactly 0 and
    finite gradients, never 0/0 = NaN.
 3. A forward with `labels=None` (a log-prob-only pass) skips the MTP layers and returns
@@ -22,7 +22,7 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
 6. Under context parallelism the MTP token count is summed over the CP group, so the
    per-rank MTP losses add up (as megatron sums gradients over CP) to the CP=1 loss.
    After each forward, `model.mtp_losses` holds this rank's per-depth MTP losses
-   ([mtp_num_layers] fp32, detached; None when no MTP loss was computed).
+   ([depths] fp32, detached; None when no MTP loss was computed).
 7. Packed sequences (0.16+) roll by one position per MTP depth with one all-gather over
    the CP group and a vectorised index map (`roll_packed`), not megatron's loop over
    sequences with an isend/irecv pair per sequence and roll: same values, exactly.
@@ -42,9 +42,15 @@ in docs/MTP_MATRIX.md). `patch_megatron_mtp()` replaces three functions of megat
    more output-layer pass.
    `model.mtp_acceptance` then holds per depth the mean of sum_v min(p, q) over its tokens (p
    the policy's, q the head's distribution): a sampled draft's chance of acceptance.
+10. Depths past the MTP layers (`set_mtp_depths(model, depths)`): the layers run again in
+   turn on their own outputs, depth d by layer (d - 1) % layers, each depth's inputs rolled
+   once more, as vLLM drafts past a model's MTP layers; every depth has its loss (item 2,
+   normalised by the depths), targets and acceptance. Without it a model trains one depth
+   per MTP layer.
 
     from mtp_patch import patch_megatron_mtp, unpatch_megatron_mtp
     patch_megatron_mtp()             # returns 3 (functions replaced; 2 on 0.14/0.15); again: 0
+    set_mtp_depths(model, 3)         # a GPTModel with one MTP layer trains it at depths 1, 2 and 3
     ...
     unpatch_megatron_mtp()           # returns 3; the original function objects are back
 
@@ -54,6 +60,7 @@ Imports only torch, the standard library, mtp_policy_target (item 9) and (when p
 megatron-core.
 """
 
+import contextlib
 import inspect
 import warnings
 
@@ -72,6 +79,8 @@ PATCHED_FUNCTIONS = (
 # Set on each replacement: the options it was made with. Guards against patching twice
 # (whichever copy of this module patched first) and marks what `unpatch` may restore.
 PATCH_MARK = "_mtp_patch_options"
+# Where a model keeps the MTP depths it trains (item 10 above; absent: one per MTP layer).
+MTP_DEPTHS_ATTRIBUTE = "mtp_train_depths"
 # Where a packing puts explicit MTP targets (item 8 above) on its PackedSeqParams.
 MTP_TARGETS_ATTRIBUTE = "mtp_targets"
 
@@ -145,6 +154,24 @@ def patched():
     except RuntimeError:
         return False
     return all(getattr(vars(owner).get(name), PATCH_MARK, None) is not None for owner, name in targets)
+
+
+def set_mtp_depths(model, depths):
+    """Train `depths` MTP depths on `model` (a GPTModel with MTP layers; item 10 above):
+    past its MTP layers they run again in turn on their own outputs, as vLLM drafts. depths:
+    a positive multiple of the model's MTP layers (on this pipeline stage: all of them)."""
+    layers = model.config.mtp_num_layers or 0
+    if not layers:
+        raise ValueError(f"depths={depths}: the model has no MTP layers to train at any depth")
+    if not isinstance(depths, int) or depths < 1 or depths % layers:
+        raise ValueError(f"depths={depths!r}: expected a positive multiple of the model's {layers} MTP layers "
+                         "(the layers run again in turn, whole rounds only)")
+    setattr(model, MTP_DEPTHS_ATTRIBUTE, depths)
+
+
+def mtp_depths(model):
+    """How many MTP depths `model` trains: `set_mtp_depths`' count, else one per MTP layer (0 without)."""
+    return getattr(model, MTP_DEPTHS_ATTRIBUTE, None) or (model.config.mtp_num_layers or 0)
 
 
 def unpatch_megatron_mtp():
@@ -265,7 +292,7 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
 
         carries_mtp_outputs = run_mtp or (bool(self.config.mtp_num_layers) and not mtp_in_postprocess)
         if carries_mtp_outputs and labels is None:
-            hidden_states = torch.chunk(hidden_states, 1 + self.config.mtp_num_layers, dim=0)[0]
+            hidden_states = torch.chunk(hidden_states, 1 + mtp_depths(self), dim=0)[0]
         elif carries_mtp_outputs:
             mtp_weight = output_weight
             if decouple:
@@ -276,7 +303,7 @@ def _make_postprocess(original, megatron, probes, options, packed_roll):
                 runtime_gather_output=kwargs.get("runtime_gather_output"), is_training=self.training,
                 compute_language_model_loss=self.compute_language_model_loss, config=self.config,
                 cp_group=self.cp_group, packed_seq_params=kwargs.get("packed_seq_params"),
-                scale_logits=self._scale_logits if probes["scales_logits"] else None)
+                scale_logits=self._scale_logits if probes["scales_logits"] else None, num_depths=mtp_depths(self))
         return _output_head(self, hidden_states, input_ids, position_ids, labels, output_weight, kwargs, megatron,
                             probes["scales_logits"])
 
@@ -297,16 +324,32 @@ def _run_mtp_layers(model, hidden_states, input_ids, position_ids, kwargs, block
         # a tensor without grad when none of its inputs requires it (no MTP gradient at all).
         mtp_input = hidden_states.detach().requires_grad_()
         embedding = _detached(model.embedding)
-    mtp_output = model.mtp(
-        input_ids=input_ids, position_ids=position_ids, hidden_states=mtp_input,
-        attention_mask=kwargs.get("attention_mask"), inference_params=None,
-        rotary_pos_emb=kwargs.get("rotary_pos_emb"), rotary_pos_cos=kwargs.get("rotary_pos_cos"),
-        rotary_pos_sin=kwargs.get("rotary_pos_sin"), packed_seq_params=kwargs.get("packed_seq_params"),
-        sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=embedding, **block_kwargs)
+    with _layers_in_turn(model.mtp, mtp_depths(model)):
+        mtp_output = model.mtp(
+            input_ids=input_ids, position_ids=position_ids, hidden_states=mtp_input,
+            attention_mask=kwargs.get("attention_mask"), inference_params=None,
+            rotary_pos_emb=kwargs.get("rotary_pos_emb"), rotary_pos_cos=kwargs.get("rotary_pos_cos"),
+            rotary_pos_sin=kwargs.get("rotary_pos_sin"), packed_seq_params=kwargs.get("packed_seq_params"),
+            sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=embedding, **block_kwargs)
     # [its input; depth 1; ...; depth n]: the trunk's own hidden states (with their graph) go back in front.
     if decouple:
         mtp_output = torch.cat([hidden_states, mtp_output[hidden_states.shape[0]:]])
     return mtp_output
+
+
+@contextlib.contextmanager
+def _layers_in_turn(block, depths):
+    """The MTP block running `depths` layers, its own again in turn past their count (item
+    10 above): megatron's block runs each of its layers once, on the one before's output."""
+    layers = block.layers
+    if depths == len(layers):
+        yield
+        return
+    block.layers = torch.nn.ModuleList(layers[depth % len(layers)] for depth in range(depths))
+    try:
+        yield
+    finally:
+        block.layers = layers
 
 
 def _output_head(model, hidden_states, input_ids, position_ids, labels, output_weight, kwargs, megatron,
@@ -359,22 +402,21 @@ def _make_process_mtp_loss(megatron, packed_roll):
 
     def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output,
                          is_training, compute_language_model_loss, config, cp_group, packed_seq_params,
-                         scale_logits):
-        """hidden_states [(1 + n) s, b, h] -> ([s, b, h] carrying the MTP loss to backward,
-        [n] fp32 detached per-depth losses of this rank: summed over CP ranks, the means;
-        [n] the same of the draft acceptance with policy targets (item 9 above), else None)."""
-        num_layers = config.mtp_num_layers
-        hidden_states_list = torch.chunk(hidden_states, 1 + num_layers, dim=0)
+                         scale_logits, num_depths):
+        """hidden_states [(1 + n) s, b, h] (n = num_depths) -> ([s, b, h] carrying the MTP loss
+        to backward, [n] fp32 detached per-depth losses of this rank: summed over CP ranks, the
+        means; [n] the same of the draft acceptance with policy targets (item 9 above), else None)."""
+        hidden_states_list = torch.chunk(hidden_states, 1 + num_depths, dim=0)
         hidden_states = hidden_states_list[0]
         roll_kwargs = {"shifts": -1, "dims": -1, "cp_group": cp_group}
         if packed_roll is not None:
             roll_kwargs["packed_seq_params"] = packed_seq_params
-        depth_targets, counts = _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers,
+        depth_targets, counts = _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_depths,
                                                roll_kwargs)
         # All depths' token counts (and the unrolled one) in one all-reduce over the CP group.
         original_num_tokens, *depth_num_tokens = _sum_over(torch.stack(counts), cp_group)
-        scale = config.mtp_loss_scaling_factor / num_layers
-        losses = torch.zeros(num_layers, dtype=torch.float32, device=hidden_states.device)
+        scale = config.mtp_loss_scaling_factor / num_depths
+        losses = torch.zeros(num_depths, dtype=torch.float32, device=hidden_states.device)
 
         def logits_of(hidden):
             logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
@@ -387,7 +429,7 @@ def _make_process_mtp_loss(megatron, packed_roll):
             temperature, policy_target_loss(), logits_of, hidden_states, depth_targets, roll_tensor, roll_kwargs,
             parallel_state.get_tensor_model_parallel_group())
         acceptance = None if overlaps is None else torch.zeros_like(losses)
-        for depth in range(num_layers):
+        for depth in range(num_depths):
             mtp_logits = logits_of(hidden_states_list[depth + 1])
             num_tokens = depth_num_tokens[depth].clamp(min=1)
             rows, depth_labels, weights, _ = depth_targets[depth]
@@ -397,10 +439,11 @@ def _make_process_mtp_loss(megatron, packed_roll):
             losses[depth] = torch.sum(mtp_loss).detach() / num_tokens
             if overlaps is not None:
                 acceptance[depth] = torch.sum(weights * overlaps.pop()) / num_tokens
-            # 0.19 replaced this logger with one that also wants acceptance counts.
-            if is_training and logs_to_tracker:
+            # 0.19 replaced this logger with one that also wants acceptance counts. Its tracker
+            # holds one value per MTP layer; depths past them (item 10) are in `losses` alone.
+            if is_training and logs_to_tracker and depth < config.mtp_num_layers:
                 logging_helper.save_loss_to_tracker(
-                    losses[depth], depth, num_layers,
+                    losses[depth], depth, config.mtp_num_layers,
                     avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             if config.calculate_per_token_loss:
                 mtp_loss = scale * mtp_loss * (original_num_tokens / num_tokens)
@@ -412,7 +455,7 @@ def _make_process_mtp_loss(megatron, packed_roll):
     return process_mtp_loss
 
 
-def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers, roll_kwargs):
+def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_depths, roll_kwargs):
     """What each MTP depth predicts: ([(rows, labels, weights, policy_rows) per depth],
     [unrolled token count, then each depth's]) on this rank; a depth's loss is weights *
     CE(labels, its logits at `rows`), its policy target the main logits at `policy_rows`.
@@ -423,20 +466,20 @@ def _depth_targets(roll_tensor, labels, loss_mask, packed_seq_params, num_layers
         loss_mask = torch.ones_like(labels)
     targets = getattr(packed_seq_params, MTP_TARGETS_ATTRIBUTE, None)
     if targets is None:
-        return _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs)
-    if len(targets) != num_layers:
+        return _rolled_per_depth(roll_tensor, labels, loss_mask, num_depths, roll_kwargs)
+    if len(targets) != num_depths:
         raise ValueError(f"packed_seq_params.{MTP_TARGETS_ATTRIBUTE} holds {len(targets)} depths of targets; the "
-                         f"model has {num_layers} MTP layers")
+                         f"model trains {num_depths} MTP depths")
     counts = [loss_mask.sum()] + [weights.sum().to(loss_mask.dtype) for _, _, weights, _ in targets]
     return [(rows, target_labels[None], weights[None], policy_rows)
             for rows, target_labels, weights, policy_rows in targets], counts
 
 
-def _rolled_per_depth(roll_tensor, labels, loss_mask, num_layers, roll_kwargs):
+def _rolled_per_depth(roll_tensor, labels, loss_mask, num_depths, roll_kwargs):
     """([(None, labels, mask, None) per depth k, each rolled k times], [unrolled token count,
     then each depth's]) on this rank."""
     depth_targets, counts = [], [loss_mask.sum()]
-    for _ in range(num_layers):
+    for _ in range(num_depths):
         labels, _ = roll_tensor(labels, **roll_kwargs)
         loss_mask, num_tokens = roll_tensor(loss_mask, **roll_kwargs)
         depth_targets.append((None, labels, loss_mask, None))

@@ -4032,6 +4032,85 @@ def _roll_against_megatron():
     }
 
 
+def _repeated_mtp_depths(checkpoint):
+    """One MTP layer trained at depths 1 and 2 (mtp_patch.set_mtp_depths) against megatron's
+    own block of two MTP layers that hold that layer's weights twice, on the grouped batch
+    unshared and shared-prefix (policy targets): per-depth losses, acceptances, gradients;
+    the one layer run once per forward instead (the bug the repeat guards against); and
+    set_mtp_depths' refusals."""
+    from megatron_model import build_gpt_model, load_hf_config
+    cpu_backend.init_distributed()
+    cpu_backend.init_model_parallel(seed=0)
+    mtp_patch.patch_megatron_mtp()
+    two = build_gpt_model(checkpoint)
+    hf_weights.load_hf_into_megatron(two, checkpoint)
+    one = build_gpt_model({**load_hf_config(checkpoint), "num_nextn_predict_layers": 1})
+    two_params = dict(two.named_parameters())
+    with torch.no_grad():
+        for name, param in one.named_parameters():
+            param.copy_(two_params[name])
+        for name, param in two_params.items():
+            if name.startswith("mtp.layers.1."):
+                param.copy_(two_params[name.replace("mtp.layers.1.", "mtp.layers.0.")])
+        for model in (one, two):
+            model.output_layer.weight.mul_(MTP_POLICY_LOGIT_SCALE)
+    # megatron's MTP loss tracker is one per process, sized by the first model that logs:
+    # the two-layer model goes first.
+    _mtp_policy_forward_backward(two, _grouped_batch(vocab_size=tiny_model.VOCAB_SIZE))
+    refusals = []
+    for model, depths in ((one, 0), (two, 3), (one, 1.5)):
+        try:
+            mtp_patch.set_mtp_depths(model, depths)
+        except ValueError as error:
+            refusals.append(str(error))
+    depth_one = _mtp_policy_forward_backward(one, _grouped_batch(vocab_size=tiny_model.VOCAB_SIZE))["mtp_losses"]
+    mtp_patch.set_mtp_depths(one, 2)
+    grouped = _grouped_batch(vocab_size=tiny_model.VOCAB_SIZE)
+    results = {layout: {name: _mtp_policy_forward_backward(model, grouped, prefix_group_size=group_size)
+                        for name, model in (("one layer", one), ("two layers", two))}
+               for layout, group_size in (("unshared", None), ("shared", SHARED_GROUP_SIZE))}
+    original = mtp_patch._layers_in_turn
+    mtp_patch._layers_in_turn = lambda block, depths: contextlib.nullcontext()
+    try:
+        _mtp_policy_forward_backward(one, grouped)
+        once = "no error"
+    except (RuntimeError, ValueError) as error:
+        once = str(error)
+    finally:
+        mtp_patch._layers_in_turn = original
+    return {"results": results, "depth_one": depth_one, "refusals": refusals, "once": once}
+
+
+def test_mtp_patch_repeated_depths_equal_megatrons_two_layers_of_one_weight(two_mtp_checkpoint):
+    measured = run_in_processes(_repeated_mtp_depths, args=(two_mtp_checkpoint,))[0]
+    for layout, runs in measured["results"].items():
+        one, two = runs["one layer"], runs["two layers"]
+        # The one layer's gradient is the sum of what megatron's two copies of it receive.
+        summed = {name: two["grads"][name] + two["grads"][name.replace("mtp.layers.0.", "mtp.layers.1.")]
+                  for name in one["grads"] if name.startswith("mtp.layers.0.")}
+        loss_error = _relative_difference(one["mtp_losses"], two["mtp_losses"])
+        acceptance_error = _relative_difference(one["mtp_acceptance"], two["mtp_acceptance"])
+        grad_error = _relative_difference({name: one["grads"][name] for name in summed}, summed)
+        print(f"{layout}: depths 1-2 of one MTP layer against two layers of its weights: losses "
+              f"{one['mtp_losses'].tolist()} ({loss_error:.1e} apart), acceptance {one['mtp_acceptance'].tolist()} "
+              f"({acceptance_error:.1e}), gradients {grad_error:.1e}")
+        assert one["mtp_losses"].shape == (2,) and loss_error < MTP_POLICY_TOLERANCE
+        assert acceptance_error < MTP_POLICY_TOLERANCE and grad_error < MTP_POLICY_TOLERANCE
+        assert abs(float(one["mtp_losses"][1] - one["mtp_losses"][0])) > 1e-3  # depth 2 is another target
+    # Without set_mtp_depths the layer trains depth 1 alone: depth 2's first loss, nothing more.
+    assert measured["depth_one"].shape == (1,)
+    torch.testing.assert_close(measured["depth_one"], measured["results"]["unshared"]["one layer"]["mtp_losses"][:1],
+                               rtol=MTP_POLICY_TOLERANCE, atol=0)
+    assert measured["once"] != "no error", "the layer run once per forward must not pass for two depths"
+    assert measured["refusals"] == [
+        "depths=0: expected a positive multiple of the model's 1 MTP layers (the layers run again in turn, whole "
+        "rounds only)",
+        "depths=3: expected a positive multiple of the model's 2 MTP layers (the layers run again in turn, whole "
+        "rounds only)",
+        "depths=1.5: expected a positive multiple of the model's 1 MTP layers (the layers run again in turn, whole "
+        "rounds only)"]
+
+
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 def test_mtp_patch_packed_roll_equals_megatrons_on_every_rank_and_catches_a_wrong_map(cp_size):
     for rank, result in enumerate(run_in_processes(_roll_against_megatron, world_size=cp_size)):
@@ -7048,6 +7127,31 @@ def test_flags_mtp_target_reaches_the_train_config_and_an_unknown_one_is_refused
     with pytest.raises(SystemExit) as refused:
         flags.parse_args(["--mtp-target", "soft"])
     assert "train_grpo.py: argument --mtp-target: invalid choice: 'soft' (choose from" in str(refused.value.code)
+
+
+def test_flags_mtp_train_depths_follow_the_task_and_are_refused_where_they_cannot_run(tmp_path):
+    def depths(*given, world_size=2):
+        return run_configs.train_config(flags.check_args(flags.parse_args(["--out", str(tmp_path / "x"), *given]),
+                                                         world_size=world_size)).mtp_train_depths
+    # The task's default (tail: 3, auto's deepest draft), the flag over it, one per layer elsewhere.
+    assert (depths(), depths("--task", "tail"), depths("--task", "tail", "--mtp-train-depths", "1")) == (None, 3, 1)
+    assert depths("--task", "walk", "--mtp-train-depths", "2") == 2
+    assert tasks.TASKS["tail"]["mtp_train_depths"] == 3
+    # Under pipeline stages the task's default falls back to one depth per layer.
+    assert depths("--task", "tail", "--pp", "2") is None
+    no_mtp = tiny_model.write_checkpoint(str(tmp_path / "no-mtp"), tiny_model.mimo_config(num_mtp_layers=0))
+    two = tiny_model.write_checkpoint(str(tmp_path / "two"), tiny_model.mimo_config(num_mtp_layers=2))
+    problems = lambda *given: flag_checks.flag_problems(flags.parse_args(["--out", str(tmp_path / "x"), *given]), 2)
+    assert problems("--model", two, "--max-speculative-tokens", "2", "--mtp-train-depths", "3") == [
+        f"--mtp-train-depths 3: {two}'s 2 MTP layers train whole rounds: expected a multiple of 2"]
+    assert problems("--model", no_mtp, "--no-mtp-rollout", "--mtp-train-depths", "2") == [
+        f"--mtp-train-depths 2: {no_mtp} has no MTP layers to train"]
+    assert problems("--no-mtp-train", "--mtp-train-depths", "2") == ["--mtp-train-depths 2: only read with --mtp-train"]
+    assert problems("--pp", "2", "--mtp-train-depths", "2") == [
+        "--mtp-train-depths 2 with --pp 2: the MTP layers run again in turn on one stage only; expected --pp 1 or at "
+        "most the model's MTP layers"]
+    with pytest.raises(SystemExit, match="--mtp-train-depths: 0: expected a number >= 1"):
+        flags.parse_args(["--mtp-train-depths", "0"])
 
 
 def test_flags_mtp_loss_reaches_the_train_config_and_is_refused_where_nothing_reads_it():

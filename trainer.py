@@ -38,6 +38,7 @@ import pipeline
 from cpu_backend import cuda_on_cpu
 from forward import forward_logprobs, forward_stage
 from megatron_model import build_gpt_model
+from mtp_patch import set_mtp_depths
 
 ADAM_EPS = 1e-8
 # Gradient all-reduce buckets: at least four per model, so the first ones travel while
@@ -80,6 +81,9 @@ class TrainConfig:
     # on the tail task a head trained with "tv" from its supervised start on was accepted far
     # less at depths 2 and 3, where vLLM reuses the one MTP layer (docs/RESULTS.md).
     mtp_loss: str = "ce"
+    # MTP depths the head trains (None: one per MTP layer). Past its layers they run again in
+    # turn on their own outputs (mtp_patch.set_mtp_depths), as vLLM drafts k > layers.
+    mtp_train_depths: int = None
     # ZeRO-1: each data-parallel rank keeps 1/DP of the fp32 main weights and Adam states
     # (megatron-core's DistributedOptimizer; the experts' over their own data-parallel group).
     distributed_optimizer: bool = False
@@ -201,6 +205,8 @@ def build_policy(model_dir, config):
         return model
 
     model = load(mtp=config.mtp_train)
+    if config.mtp_train and config.mtp_train_depths:
+        set_mtp_depths(model, config.mtp_train_depths)
     reference = load(mtp=False).eval() if config.loss.kl_coef > 0 else None
     if config.mtp_train and config.mtp_rollout and model.decoder.final_layernorm is not None:
         # Megatron's MTP layer reads the trunk's hidden state after the final norm, vLLM's

@@ -64,12 +64,13 @@ class WarmStartConfig:
     lr: float = 1e-3                  # Adam's; the deep model learns count's rule at this rate
     seed: int = 0
     mtp_loss: str = trainer.TrainConfig.mtp_loss  # the MTP head's loss against the policy, as in RL
+    mtp_train_depths: int = None      # the MTP depths the head trains, as in RL (None: one per MTP layer)
 
 
 def train_config(config):
     """The trainer's settings for cross entropy: advantages 1, one optimizer step a batch, no
     entropy bonus, no truncated IS (the samples carry no rollout log-probs)."""
-    return trainer.TrainConfig(lr=config.lr, mtp_loss=config.mtp_loss,
+    return trainer.TrainConfig(lr=config.lr, mtp_loss=config.mtp_loss, mtp_train_depths=config.mtp_train_depths,
                                loss=grpo_loss.LossConfig(tis_cap=0.0, entropy_coef=0.0))
 
 
@@ -142,7 +143,8 @@ def warm_started(config, base_dir, out_dir):
     if is_built(config, base_dir, out_dir):
         return out_dir
     environment = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENVIRONMENT}
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in dataclasses.asdict(config).items()]
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in dataclasses.asdict(config).items()
+             if value is not None]
     command = [sys.executable, os.path.abspath(__file__), f"--base={base_dir}", f"--out={out_dir}", *flags]
     print(f"warm start: building {out_dir} ({config.steps} supervised steps on {config.task}; once)", flush=True)
     if subprocess.run(command, env=environment).returncode != 0 or not is_built(config, base_dir, out_dir):
@@ -165,9 +167,12 @@ def main():
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the batches' draws")
     parser.add_argument("--mtp-loss", choices=mtp_policy_target.POLICY_TARGET_LOSSES, default=defaults.mtp_loss,
                         help="the MTP head's loss against the policy (train_grpo's --mtp-loss)")
+    parser.add_argument("--mtp-train-depths", type=int, default=defaults.mtp_train_depths,
+                        help="the MTP depths the head trains (train_grpo's --mtp-train-depths; default: one per "
+                             "MTP layer)")
     args = parser.parse_args()
     config = WarmStartConfig(task=args.task, steps=args.steps, answers_per_step=args.answers_per_step, lr=args.lr,
-                             seed=args.seed, mtp_loss=args.mtp_loss)
+                             seed=args.seed, mtp_loss=args.mtp_loss, mtp_train_depths=args.mtp_train_depths)
     print(f"wrote {warm_start(config, args.base, args.out)}")
 
 
