@@ -429,7 +429,8 @@ def row_draft_training():
 # the fastest of them and none, in hindsight, times the none run's tokens in that band.
 RL_FLAGS = ("--task", "tail")
 RL_VARIANTS = {"drafting": (), "none": ("--no-mtp-rollout",)}
-RL_ORACLE_VARIANTS = {f"k={k}": ("--num-speculative-tokens", str(k)) for k in range(1, 4)}
+RL_ORACLE_VARIANTS = {f"k={k}": ("--num-speculative-tokens", str(k))
+                      for k in range(1, tasks.TASKS["tail"]["max_draft_tokens"] + 1)}
 RL_ROUNDS = 3
 RL_RUN_DIR = os.path.join(REPO_DIR, "runs", "bench-rl-drafting")
 RL_PLOT = os.path.join(FIGURES_DIR, "rl_drafting_cpu.png")

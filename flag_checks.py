@@ -21,6 +21,7 @@ import torch
 import checkpoint
 import preflight
 import rewards
+import rollout
 import spec_config
 import tasks
 import tiny_model
@@ -291,4 +292,11 @@ def draft_plan(args, mtp_rollout):
     drafts a k chosen per rollout, draft_tokens: the fixed k or auto's deepest), which
     `resolve` keeps in the settings for every other reader."""
     auto = args.num_speculative_tokens == "auto"
-    return mtp_rollout and auto, args.max_speculative_tokens if auto else args.num_speculative_tokens
+    return mtp_rollout and auto, deepest_draft(args) if auto else args.num_speculative_tokens
+
+
+def deepest_draft(args):
+    """auto's deepest k: --max-speculative-tokens, else the built-in task's (tasks.TASKS), else
+    RolloutConfig's."""
+    task_default = None if args.data else tasks.TASKS[args.task]["max_draft_tokens"]
+    return args.max_speculative_tokens or task_default or rollout.RolloutConfig.draft_tokens

@@ -336,7 +336,9 @@ def add_mtp_flags(p):
                         "rose far (or fell far while drafting), the next rollouts try in turn k = 0 and every k that "
                         "could pay, and the fastest stays")
     p.add_argument("--max-speculative-tokens", type=number(int, at_least=1, at_most=MAX_DRAFT_TOKENS, why=PAST_MAX_DRAFT),
-                   default=ROLLOUT.draft_tokens, help="the deepest k auto considers")
+                   default=None, help="the deepest k auto considers; default: the built-in task's ("
+                   + ", ".join(f"{task} {spec['max_draft_tokens']}" for task, spec in tasks.TASKS.items()
+                               if spec["max_draft_tokens"]) + f"), else {ROLLOUT.draft_tokens}")
     p.add_argument("--tune-every", type=POSITIVE_INT, default=ROLLOUT.tune_every,
                    help="auto: every N steps (and at the first) the rollouts try each k that could pay again, in "
                         "turns, on the current weights")

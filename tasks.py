@@ -97,22 +97,26 @@ TAIL_STARTS = tuple(item for item in TAIL_CHAIN[:-1] if item not in TAIL_HELD_OU
 # GPU's memory-bound decoding does at any batch), whether a response ends at its EOS token,
 # whether RL starts from a supervised stage on its answers (warm_start.py: tail's long
 # answers are out of reach of RL from random weights in minutes, as real RL starts from a
-# supervised model), and the MTP depths its head trains by default (None: one per MTP layer;
-# tail's 3, auto's deepest draft: vLLM drafts depths 2 and 3 with the one MTP layer again, on
-# its own outputs, and trained there too its drafts are accepted more, docs/RESULTS.md).
-# count holds out digits its training never shows.
+# supervised model), the MTP depths its head trains by default (None: one per MTP layer; vLLM
+# drafts past the layers with the MTP layer again, on its own outputs, and trained there too
+# its drafts are accepted more) and auto's deepest k (None: RolloutConfig's): tail's thin
+# tail pays for a fourth draft token (docs/RESULTS.md). count holds out digits its training
+# never shows.
 TASKS = {
     "repeat": {"train": tuple(first + second for first in REPEAT_LETTERS for second in REPEAT_LETTERS
                               if first + second not in REPEAT_HELD_OUT),
                "held_out": REPEAT_HELD_OUT, "length": 3, "model": "tiny", "lr": 3e-4, "steps": 150,
-               "prompts_per_step": 16, "eos": False, "warm_start": False, "mtp_train_depths": None},
+               "prompts_per_step": 16, "eos": False, "warm_start": False, "mtp_train_depths": None,
+               "max_draft_tokens": None},
     "count": {"train": "01234567", "held_out": "89", "length": 32, "model": "deep", "lr": 1e-3, "steps": 150,
-              "prompts_per_step": 16, "eos": False, "warm_start": False, "mtp_train_depths": None},
+              "prompts_per_step": 16, "eos": False, "warm_start": False, "mtp_train_depths": None,
+               "max_draft_tokens": None},
     "walk": {"train": WALK_STARTS, "held_out": WALK_HELD_OUT, "length": 67, "model": "deep", "lr": 1e-3,
-             "steps": 150, "prompts_per_step": 16, "eos": True, "warm_start": False, "mtp_train_depths": None},
+             "steps": 150, "prompts_per_step": 16, "eos": True, "warm_start": False, "mtp_train_depths": None,
+               "max_draft_tokens": None},
     "tail": {"train": TAIL_STARTS, "held_out": TAIL_HELD_OUT, "length": 2 * len(TAIL_CHAIN) + 3, "model": "deep",
              "lr": 1e-4, "steps": 40, "prompts_per_step": 8, "eos": True, "warm_start": True,
-             "mtp_train_depths": 3},
+             "mtp_train_depths": 4, "max_draft_tokens": 4},
 }
 MAX_COUNT_STEP = 9
 DATA_FORMATS = (".jsonl", ".parquet")

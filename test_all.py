@@ -7019,7 +7019,7 @@ def test_flags_engine_context_follows_the_run_and_one_past_the_kv_cache_is_refus
     assert run_configs.rollout_config(run).max_model_len == 300 + 20 + 2
     auto = flags.check_args(flags.parse_args(["--model", str(model), "--max-new-tokens", "3"]), 2)
     assert flags.rollout_context(auto, config, 300).max_model_len == 300 + draft_tuner.ACCEPTANCE_CHECK_TOKENS + \
-        auto.max_speculative_tokens
+        auto.draft_tokens
     # Never under vLLM's own start-up prompt's room.
     assert flags.rollout_context(settings, config, longest_prompt=9).max_model_len == rollout.MIN_MODEL_LEN
     # 1022 tokens: 8 blocks of 128 and vLLM's empty one, 443547648 bytes; the default 256 MiB refused.
@@ -7133,10 +7133,13 @@ def test_flags_mtp_train_depths_follow_the_task_and_are_refused_where_they_canno
     def depths(*given, world_size=2):
         return run_configs.train_config(flags.check_args(flags.parse_args(["--out", str(tmp_path / "x"), *given]),
                                                          world_size=world_size)).mtp_train_depths
-    # The task's default (tail: 3, auto's deepest draft), the flag over it, one per layer elsewhere.
-    assert (depths(), depths("--task", "tail"), depths("--task", "tail", "--mtp-train-depths", "1")) == (None, 3, 1)
+    # The task's default (tail: 4, auto's deepest draft), the flag over it, one per layer elsewhere.
+    assert (depths(), depths("--task", "tail"), depths("--task", "tail", "--mtp-train-depths", "1")) == (None, 4, 1)
     assert depths("--task", "walk", "--mtp-train-depths", "2") == 2
-    assert tasks.TASKS["tail"]["mtp_train_depths"] == 3
+    assert tasks.TASKS["tail"]["mtp_train_depths"] == tasks.TASKS["tail"]["max_draft_tokens"] == 4
+    # auto's deepest k follows the task too, and the flag over it.
+    deepest = lambda *given: flags.check_args(flags.parse_args(["--out", str(tmp_path / "x"), *given]), 2).draft_tokens
+    assert (deepest(), deepest("--task", "tail"), deepest("--task", "tail", "--max-speculative-tokens", "2")) == (3, 4, 2)
     # Under pipeline stages the task's default falls back to one depth per layer.
     assert depths("--task", "tail", "--pp", "2") is None
     no_mtp = tiny_model.write_checkpoint(str(tmp_path / "no-mtp"), tiny_model.mimo_config(num_mtp_layers=0))
