@@ -546,8 +546,11 @@ def rl_round_row(number, runs, walls, oracle):
 
 
 def row_rl_drafting():
-    # The warm start is built (once) before any timed run.
-    train_grpo_run(os.path.join(RL_RUN_DIR, "warm"), (*RL_FLAGS, "--steps", "1", "--no-mtp-rollout"))
+    # The warm start is built (once) before any timed run: a step of the task, run afresh each
+    # time, since a kept run would skip it while a changed warm start still waits to be built.
+    warm = os.path.join(RL_RUN_DIR, "warm")
+    shutil.rmtree(warm, ignore_errors=True)
+    train_grpo_run(warm, (*RL_FLAGS, "--steps", "1", "--no-mtp-rollout"))
     rounds, walls = zip(*(rl_round(number, dict(RL_VARIANTS, **(RL_ORACLE_VARIANTS if number == 1 else {})))
                           for number in range(1, RL_ROUNDS + 1)))
     oracle = rl_oracle_speedup(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS], RUN_PROCESSES)
