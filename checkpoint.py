@@ -62,7 +62,7 @@ RESUME_MAY_CHANGE = ("steps", "out", "resume", "save_every", "keep_checkpoints",
                      "acceptance_check_every", "check_draft_every", "spec_config", "gpu_memory_utilization",
                      "kv_cache_bytes", "shared_prefix", "reward_timeout", "resume_with_changed_inputs")
 # What a checkpoint saved before a flag existed ran with.
-SETTINGS_BEFORE_THEY_EXISTED = {"distributed_optimizer": False, "mtp_loss": "ce"}
+SETTINGS_BEFORE_THEY_EXISTED = {"distributed_optimizer": False, "mtp_loss": "ce", "mtp_train_depths": None}
 
 
 class CheckpointError(ValueError):

@@ -375,7 +375,8 @@ def parse_args(argv=None):
 def resolve(args, hf_config, world_size=1):
     """The run's settings: a new Namespace with what is derived filled in (max_new_tokens,
     ignore_eos, lr, mtp_rollout, mtp_train, routing_replay, bf16, max_sampling_rounds,
-    shared_prefix, `mtp_train_depths`, distributed_optimizer (run_configs.distributed_optimizer_pays),
+    shared_prefix, `mtp_train_depths`, max_speculative_tokens, distributed_optimizer
+    (run_configs.distributed_optimizer_pays),
     the built-in model's name, `draft_plan`'s auto_draft and draft_tokens); `args` is untouched."""
     has_mtp = hf_config.get("num_nextn_predict_layers", 0) > 0
     mtp_rollout = has_mtp if args.mtp_rollout is None else args.mtp_rollout
@@ -397,6 +398,8 @@ def resolve(args, hf_config, world_size=1):
         "shared_prefix": (flag_checks.shared_prefix_obstacle(args, hf_config) is None if args.shared_prefix is None
                           else args.shared_prefix),
         "mtp_train_depths": mtp_train_depths(args, hf_config),
+        # The task's default filled in: a resume compares the deepest k auto ran with.
+        "max_speculative_tokens": flag_checks.deepest_draft(args),
     }
     settings = argparse.Namespace(**{**vars(args), **derived})
     if args.distributed_optimizer is None:
