@@ -9,9 +9,9 @@ shared machine a burst of load slows a short rollout whole, and at temperature 1
 sequences sampled off what the draft predicts make one short rollout far slower than the
 next), while a few real rollouts taking turns measure each k to a few percent (one
 rollout's speed differs from the next by about 5%). The tries are per band of batch sizes
-and cost little where drafting cannot pay: each band climbs from k = 0 and 1 to deeper k
-only while the deepest is about the fastest, drops a k once it is clearly slower, and runs
-its fastest k once nothing is left to measure; the plain engine is tried again only while
+and cost little where drafting cannot pay: each band starts at k = 0 and 1, goes to the
+deepest k only once its deepest is about the fastest, then down from its fastest, drops a k
+once it is clearly slower, and runs its fastest k once nothing is left to measure; the plain engine is tried again only while
 its time and the bands' are close (DraftTuner).
 
     tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
@@ -90,12 +90,16 @@ class DraftTuner:
     The tries: the next rollouts are tries, of two kinds taking turns. A PLAIN try rolls
     the whole rollout out with the draft idle. A band try gives each band its own k: each
     band keeps its own candidates and measurements, and the bands are tried side by side.
-    - Hill-climb: a band's candidates start as k = 0 and 1; k + 1 joins them once k was
-      measured there and ran within `margin` of the band's fastest (a band where k = 1
-      loses never tries 2 or 3), up to the deepest k that could pay: where a verify step's
-      tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at least 1 + margin
-      times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST).
-      Nothing is tried where no k could pay (a random draft).
+    - The search: a band's candidates start as k = 0 and 1. Once the deepest k opened
+      there was measured and ran within `margin` of the band's fastest, the deepest k that
+      could pay joins them (the jump: a band where k = 1 loses never tries deeper), and the
+      k just below the band's fastest joins once measured (the descent). The deepest that
+      could pay: where a verify step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at
+      depth i) are at least 1 + margin times its cost with each draft at MIN_DRAFT_COST of
+      a step (1 + k x MIN_DRAFT_COST). Nothing is tried where no k could pay (a random
+      draft). Climbing one k at a time stalls where one noisy try of k measured slower
+      than k - 1 (a band's speed moves 15-25% from one rollout to the next on a
+      long-tailed task), and thin bands, where the deepest k pays most, reach it last.
     - Successive elimination: a measured candidate whose fastest is slower than its band's
       fastest by more than ELIMINATION_MARGIN is dropped there; the others get up to
       `rounds` measurements, the fewest-measured (then the smallest k) first. A band with
@@ -139,7 +143,7 @@ class DraftTuner:
         self.trying = False  # whether the tries are under way
         self.deepest = 0  # the deepest k that could pay when the tries began
         self.candidates = [[] for _ in range(num_bands)]  # per band, the k still tried there
-        self.opened = [0] * num_bands  # per band, the deepest k the hill-climb reached
+        self.opened = [[] for _ in range(num_bands)]  # per band, the k the search opened there
         self.tried = []  # each try's schedule so far (None: PLAIN), in order
         self.realized = {}  # variant -> [each band's tries' tokens/s]
         self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
@@ -191,7 +195,7 @@ class DraftTuner:
         self.deepest = max(paying, default=0)
         self.trying = bool(paying)
         self.candidates = [[0, 1] if paying else [] for _ in range(self.num_bands)]
-        self.opened = [1] * self.num_bands
+        self.opened = [[0, 1] if paying else [] for _ in range(self.num_bands)]
         self.tried = []
         variants = [PLAIN, 0, 1] if paying else []
         self.realized = {variant: [[] for _ in range(self.num_bands)] for variant in variants}
@@ -228,27 +232,32 @@ class DraftTuner:
             self.band_tokens[band] += tokens
         self.tried.append(schedule)
         for band in range(self.num_bands):
-            self._eliminate_and_climb(band)
+            self._eliminate_and_open(band)
         if not self._tries_left():
             self.trying = False
             self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
             self.tried_acceptance = list(self.acceptance)
 
-    def _eliminate_and_climb(self, band):
+    def _eliminate_and_open(self, band):
         """Drop `band`'s candidates slower than its fastest by more than ELIMINATION_MARGIN;
-        add k + 1 once its deepest k ran within `margin` of the fastest."""
-        speeds = {k: speed for k in range(self.opened[band] + 1) if (speed := self.band_speeds(k)[band]) is not None}
+        open the deepest k once the deepest opened ran within `margin` of the fastest (the
+        jump), and the k below the fastest (the descent)."""
+        speeds = {k: speed for k in self.opened[band] if (speed := self.band_speeds(k)[band]) is not None}
         if not speeds:
             return
-        fastest = max(speeds.values())
+        fastest_k = max(speeds, key=speeds.get)
+        fastest = speeds[fastest_k]
         self.candidates[band] = [k for k in self.candidates[band]
                                  if k not in speeds or speeds[k] * (1 + ELIMINATION_MARGIN) >= fastest]
-        top = self.opened[band]
+        top = max(self.opened[band])
+        opening = {fastest_k - 1} if fastest_k > 1 else set()
         if top < self.deepest and top in self.candidates[band] and top in speeds and \
                 speeds[top] * (1 + self.margin) >= fastest:
-            self.opened[band] = top + 1
-            self.candidates[band].append(top + 1)
-            self.realized.setdefault(top + 1, [[] for _ in range(self.num_bands)])
+            opening.add(self.deepest)
+        for k in sorted(opening - set(self.opened[band])):
+            self.opened[band] = sorted(self.opened[band] + [k])
+            self.candidates[band].append(k)
+            self.realized.setdefault(k, [[] for _ in range(self.num_bands)])
 
     def _unmeasured(self, band, least=None):
         """`band`'s candidates with fewer than `least` (default `rounds`) measurements."""
@@ -446,6 +455,8 @@ class DraftTuner:
                              "rollouts at one k, not k per band): expected every name of DraftTuner._STATE")
         for name in self._STATE:
             setattr(self, name, state[name])
+        # A state saved while the search climbed one k at a time kept each band's deepest.
+        self.opened = [list(range(opened + 1)) if isinstance(opened, int) else opened for opened in self.opened]
 
     _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
               "trying", "deepest", "candidates", "opened", "tried", "realized", "band_tokens", "tried_acceptance",
