@@ -469,6 +469,61 @@ def rl_oracle_speedup(none, fixed_runs, engines):
     return max([phase / (phase - saved / engines)] + measured)
 
 
+# auto replayed on the first round's measured bands, many seeds: DraftTuner as train_grpo
+# drives it, each try's band measured by a random step of the run at that band's k (PLAIN
+# and k = 0 from the none run, k = 0 paying REPLAY_K0_COST more for the draft layer's
+# forward), the rollouts after the tries at each band's pooled speed. It separates the
+# choice from the machine's drift, which moves whole runs by as much as the choices differ.
+REPLAY_SEEDS = 40
+REPLAY_K0_COST = 1.05
+
+
+def rl_tuner_replay(none, fixed_runs, seeds=REPLAY_SEEDS):
+    """(auto's mean gain in rollout time over PLAIN across `seeds` replays of len(none)
+    rollouts, tries included; the per-band oracle's gain at the pooled speeds). `none` and
+    `fixed_runs` (k = 1, 2, ...) are records; each rollout's time is its bands' seconds."""
+    import random
+    plain = [(record["bands"], 1.0) for record in none if record.get("bands")]
+    runs = {draft_tuner.PLAIN: plain, 0: [(bands, REPLAY_K0_COST) for bands, _ in plain]}
+    runs.update({k: [(r["bands"], 1.0) for r in records if r.get("bands")] for k, records in enumerate(fixed_runs, 1)})
+    labels = [spec_config.band_label(band) for band in range(len(spec_config.BAND_EDGES))]
+    pooled = {k: [sum(b[label]["tokens"] for b, _ in rows if label in b) /
+                  sum(b[label]["seconds"] * cost for b, cost in rows if label in b)
+                  if any(label in b for b, _ in rows) else None for label in labels] for k, rows in runs.items()}
+    tokens = [sum(b[label]["tokens"] for b, _ in plain if label in b) / len(plain) for label in labels]
+
+    def seconds(schedule):
+        return sum(count / (pooled[draft_tuner.PLAIN if schedule is None else schedule[band]][band] or 1.0)
+                   for band, count in enumerate(tokens) if count)
+
+    acceptance = rl_acceptance_by_depth(fixed_runs[-1])
+    statistics_at_k = {"num_drafts": 10**6, "num_draft_tokens": 10**6 * len(acceptance),
+                       "accepted_per_position": [round(10**6 * a) for a in acceptance]}
+    gains = []
+    for seed in range(seeds):
+        rng, tuner, total = random.Random(seed), draft_tuner.DraftTuner(len(fixed_runs), len(labels)), 0.0
+        tuner.observe(statistics_at_k)
+        tuner.try_each()
+        for _ in range(len(none)):
+            schedule = tuner.choose()
+            if not tuner.exploring():
+                total += seconds(schedule)
+                continue
+            counts = {}
+            for band, label in enumerate(labels):
+                rows = [(b[label], cost) for b, cost in runs[draft_tuner.PLAIN if schedule is None else schedule[band]]
+                        if label in b]
+                if rows and tokens[band]:
+                    band_counts, cost = rng.choice(rows)
+                    counts[band] = (band_counts["tokens"], band_counts["seconds"] * cost)
+            tuner.record(counts)
+            total += sum(seconds for _, seconds in counts.values())
+        gains.append(len(none) * seconds(None) / total)
+    oracle = [max((k for k in pooled if k != draft_tuner.PLAIN and pooled[k][band]), key=lambda k: pooled[k][band],
+                  default=0) for band in range(len(labels))]
+    return statistics.mean(gains), seconds(None) / min(seconds(oracle), seconds(None))
+
+
 def rl_acceptance_by_depth(records):
     """The mean A_1..A_k over a run's drafting rollouts at their deepest k; [] without."""
     rows = [r["acceptance_by_depth"] for r in records if r["acceptance_by_depth"]]
@@ -560,6 +615,11 @@ def row_rl_drafting():
     plot_rl_drafting([{name: runs[name] for name in RL_VARIANTS} for runs in rounds], RL_PLOT)
     rows = [rl_round_row(number, runs, round_walls, oracle)
             for number, (runs, round_walls) in enumerate(zip(rounds, walls), 1)]
+    replayed, replayed_oracle = rl_tuner_replay(rounds[0]["none"], [rounds[0][name] for name in RL_ORACLE_VARIANTS])
+    rows.append({"row": "rl_drafting auto replayed", "ours_ms": None, "baseline_ms": None, "speedup": replayed,
+                 "notes": f"DraftTuner replayed on round 1's bands, {REPLAY_SEEDS} seeds: {replayed:.2f}x PLAIN's "
+                          f"rollout time, tries included; the per-band oracle at the pooled speeds "
+                          f"{replayed_oracle:.2f}x: {(replayed - 1) / (replayed_oracle - 1):.0%} of its gain"})
     deepest = list(RL_ORACLE_VARIANTS)[-1]
     fixed = rounds[0][deepest]
     rows.append({"row": f"rl_drafting fixed {deepest}", "ours_ms": None, "baseline_ms": None, "speedup": None,

@@ -7021,6 +7021,13 @@ def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight_or_a_fixed_ru
     # tail, which the mean over engines does not see): the oracle is at least its gain.
     fast = run({"1": (60, 3.0), "65-128": (80, 1.0)}, rollout_s=6.0)
     assert bench_runs.rl_oracle_speedup(none, fixed + [fast], engines=2) == pytest.approx(25.0 / 13.0, rel=1e-12)
+    # auto replayed on such runs: k = 1 twice none's speed in every band, accepted 90%: the
+    # oracle is 2x, and auto, after its tries (PLAIN, k = 0, then k = 1), gets most of it.
+    def steps(speed, acceptance=None):
+        return [{"bands": {"1": {"tokens": 10, "seconds": 10 / speed}, "65-128": {"tokens": 100, "seconds": 1.0 / speed}},
+                 "acceptance_by_depth": acceptance} for _ in range(40)]
+    replayed, replayed_oracle = bench_runs.rl_tuner_replay(steps(1.0), [steps(2.0, [0.9])], seeds=3)
+    assert replayed_oracle == pytest.approx(2.0) and 1.8 < replayed < 2.0
     drafted = [{"acceptance_by_depth": [0.9, 0.8, 0.6]}, {"acceptance_by_depth": [0.7, 0.6, 0.4]},
                {"acceptance_by_depth": None}]
     assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
