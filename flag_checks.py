@@ -26,7 +26,7 @@ import spec_config
 import tasks
 import tiny_model
 import trainer
-from megatron_model import (SUPPORTED_ARCHITECTURES, load_hf_config, model_family, transformer_config,
+from megatron_model import (SUPPORTED_ARCHITECTURES, load_hf_config, model_family, mtp_layer_count, transformer_config,
                             transformer_engine_usable, unsupported_fields)
 
 
@@ -198,7 +198,7 @@ def model_problems(args, hf_config):
     if args.shared_prefix and obstacle:
         problems.append(f"--shared-prefix: {obstacle}; leave the flag out")
     problems += qwen35_problems(args, hf_config)
-    mtp_layers = hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
+    mtp_layers = mtp_layer_count(hf_config)
     if args.mtp_rollout and not mtp_layers:
         problems.append(f"--mtp-rollout: {where} has no MTP layers (num_nextn_predict_layers is 0); "
                         "pass --no-mtp-rollout")

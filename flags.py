@@ -33,7 +33,7 @@ import run_configs
 import tasks
 import tiny_model
 import trainer
-from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR
+from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, mtp_layer_count
 
 DEFAULT_MAX_POSITIONS = 4096
 # DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.
@@ -412,7 +412,7 @@ def mtp_train_depths(args, hf_config):
     divide it and one stage holds them, else None: one depth per MTP layer."""
     if args.mtp_train_depths is not None:
         return args.mtp_train_depths
-    layers = hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
+    layers = mtp_layer_count(hf_config)
     depths = None if args.data else tasks.TASKS[args.task]["mtp_train_depths"]
     return depths if depths and layers and depths % layers == 0 and args.pp == 1 else None
 

@@ -3,13 +3,13 @@
 For the four MTP families megatron_model.py builds: MiMo (a Qwen2 decoder plus
 `num_nextn_predict_layers` MTP layers), DeepSeek-V3 (MLA + MoE), GLM-4.5 (GQA + MoE) and
 Qwen3.5 (gated DeltaNet + gated attention; its table and row layouts: qwen35_names.py).
-Three moves:
+Two moves:
 
     load_hf_into_megatron(model, "ckpt/")          # HF -> Megatron, each rank reads its slices
     for name, tensor in megatron_to_hf(model): ...  # Megatron -> HF, TP shards and EP experts gathered
-    save_hf_checkpoint(model, "ckpt/", "out/")      # Megatron -> HF directory vLLM loads
 
-vllm_sync.py sends `megatron_to_hf`'s tensors into a colocated vLLM engine.
+vllm_sync.py sends `megatron_to_hf`'s tensors into a colocated vLLM engine; hf_export.py
+writes them as a HF directory vLLM and transformers load.
 
 The layouts differ in these ways, all handled here:
 - names: `decoder.layers.{i}.self_attention.linear_qkv` is `model.layers.{i}.self_attn.{q,k,v}_proj`,
@@ -31,8 +31,8 @@ The layouts differ in these ways, all handled here:
   MiMo's (and vLLM's MiMo) `input_proj(cat(hidden, embedding))`: the halves swap.
 
 FP8 block-quantized checkpoints load directly (safetensors_reader.py dequantizes them); the
-export is never quantized: `save_hf_checkpoint` writes the parameters' dtype and drops
-`quantization_config` from the config.json it copies.
+export is never quantized: `megatron_to_hf` gives the parameters' dtype (hf_export.py
+drops `quantization_config` from the config.json it copies).
 
 Tensor and expert parallelism: every HF tensor travels whole. Loading slices it per rank
 (each expert-parallel rank reads its own experts); exporting all-gathers it over the
@@ -43,8 +43,8 @@ different tensor-parallel sizes. Under pipeline parallelism each stage names its
 with the model's layer numbers and loads only its own; the export broadcasts every stage's
 tensors to the other stages (the MTP layers, on the last stage, included).
 
-Imports torch, the standard library, megatron-core and safetensors; no vLLM (the trainer
-and an HF export need none).
+Imports torch, the standard library, megatron-core and the project's safetensors_reader
+and qwen35_names; no vLLM (the trainer and an HF export need none).
 """
 
 import contextlib
@@ -52,23 +52,15 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import weakref
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 import qwen35_names
 from safetensors_reader import SCALE_SUFFIX, CheckpointReader, fp8_block_size, quantization_problems
 
-# The files of a HF checkpoint directory that are not weights; copied as they are on save.
-HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                     "tokenizer.model", "chat_template.jinja")
-SAFETENSORS_FILE = "model.safetensors"
 # `megatron_to_hf(layers=...)`: everything, the main model only, the MTP layers only, or
 # what vLLM's MTP drafter holds (the MTP layers and the embedding and output layer it shares).
 LAYER_SELECTIONS = ("all", "main", "mtp", "draft")
@@ -618,84 +610,3 @@ def _over_stages(model, layers):
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=ranks[stage], group=group)
             yield name, tensor
-
-
-def save_hf_checkpoint(model, source_dir, out_dir):
-    """Write the megatron model as a HF directory: `model.safetensors` plus `source_dir`'s config and tokenizer.
-
-    Call on every rank (tensor-parallel shards are gathered); global rank 0 writes, the
-    others wait until it has. The result loads in vLLM and transformers like the source
-    checkpoint. It is written beside `out_dir` and renamed into place whole, so `out_dir`
-    is never half written, with the files' permissions the umask gives. Returns `out_dir`;
-    a write that fails (a full disk) leaves no `.partial` and is an ExportError on every rank.
-    """
-    writes = not dist.is_initialized() or dist.get_rank() == 0
-    tensors = {}
-    for name, tensor in megatron_to_hf(model):  # every rank takes part in the gathers
-        if writes:
-            tensors[name] = tensor.to("cpu", copy=True).contiguous()
-    problem = None
-    if writes:
-        staging = out_dir.rstrip("/") + ".partial"
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-            copy_hf_metadata(source_dir, staging)
-            save_file(tensors, os.path.join(staging, SAFETENSORS_FILE), metadata={"format": "pt"})
-            _publish(staging, out_dir)
-        except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
-            shutil.rmtree(staging, ignore_errors=True)
-            problem = f"{out_dir} could not be written ({error}); nothing of it was left behind"
-    if dist.is_initialized():
-        # Rank 0's verdict reaches every rank (it also waits for rank 0's write, as a barrier would).
-        holder = [problem]
-        dist.broadcast_object_list(holder, src=0)
-        problem = holder[0]
-    if problem:
-        raise ExportError(problem)
-    return out_dir
-
-
-class ExportError(OSError):
-    """A HF export that could not be written (a full disk), named with why; its folder is as it was."""
-
-
-def copy_hf_metadata(source_dir, out_dir):
-    """Copy `source_dir`'s config and tokenizer files into `out_dir`, config.json without its
-    `quantization_config`: the tensors written beside it are the trainer's (bf16 or fp32),
-    never FP8. vLLM built from such a copy creates unquantized layers (train_grpo's engines
-    for an FP8 checkpoint: load_format "dummy", then Megatron's dequantized weights pushed)."""
-    config_path = os.path.join(source_dir, "config.json")
-    config = {}
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
-    # The remote code auto_map names (MiMo's configuration_mimo.py, ...): without it, a
-    # published config with a model_type only that code defines does not load.
-    # A reference is "module.Class", "repo--module.Class", or a list of them (tokenizers).
-    references = [reference for value in config.get("auto_map", {}).values()
-                  for reference in (value if isinstance(value, list) else [value]) if reference]
-    remote_code = {reference.split("--")[-1].rsplit(".", 1)[0] + ".py" for reference in references}
-    for file_name in (*HF_METADATA_FILES, *sorted(remote_code)):
-        source = os.path.join(source_dir, file_name)
-        if os.path.exists(source):
-            shutil.copyfile(source, os.path.join(out_dir, file_name))
-    if config.pop("quantization_config", None) is not None:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-
-
-def _publish(staging, out_dir):
-    """Move the finished `staging` folder to `out_dir` (replacing an earlier one only once the
-    new one is whole), every file readable as the umask allows: safetensors writes its file
-    owner-only, as a temporary file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(staging):
-        os.chmod(os.path.join(staging, name), 0o666 & ~umask)
-    earlier = out_dir.rstrip("/") + ".old"
-    if os.path.exists(out_dir):
-        shutil.rmtree(earlier, ignore_errors=True)
-        os.replace(out_dir, earlier)
-    os.replace(staging, out_dir)
-    shutil.rmtree(earlier, ignore_errors=True)

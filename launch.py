@@ -24,6 +24,7 @@ import draft_tuner
 import flag_checks
 import flags
 import grpo_loss
+import hf_export
 import hf_weights
 import memory_plan
 import mtp_patch
@@ -246,7 +247,7 @@ def rollout_model(model_dir, hf_config, config, out, rank):
     directory = os.path.join(out, "rollout-model")
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
-        hf_weights.copy_hf_metadata(model_dir, directory)
+        hf_export.copy_hf_metadata(model_dir, directory)
         if renamed:
             copied = {key: value for key, value in hf_config.items() if key not in ("auto_map", "quantization_config")}
             with open(os.path.join(directory, "config.json"), "w") as f:

@@ -94,6 +94,12 @@ def model_family(hf_config):
                      f"builds; expected {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+def mtp_layer_count(hf_config):
+    """The MTP layers a HF config declares: num_nextn_predict_layers (MiMo, DeepSeek-V3,
+    GLM), else mtp_num_hidden_layers (Qwen3.5's MTP block); 0 without."""
+    return hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
+
+
 # Every config.json field of the published MiMo, DeepSeek-V3 and GLM-4.5 checkpoints is
 # either built from (read by `transformer_config`), or has no effect on training
 # (`INERT_FIELDS`), or is checked against what this builder does (`FIELD_VALUES`). Any other
@@ -380,8 +386,7 @@ def transformer_config(hf_config, *, mtp=True, tensor_parallel=1, context_parall
         # Fusions need CUDA kernels; the unfused paths are exact on every device.
         **dict.fromkeys(("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm",
                          "apply_rope_fusion", "gradient_accumulation_fusion"), False),
-        "mtp_num_layers": hf_config.get("num_nextn_predict_layers", hf_config.get("mtp_num_hidden_layers", 0))
-        if mtp else None,
+        "mtp_num_layers": mtp_layer_count(hf_config) if mtp else None,
         "mtp_loss_scaling_factor": mtp_loss_scaling_factor,
     }
     fields.update(_attention_fields(hf_config, family, tensor_parallel))

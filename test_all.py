@@ -47,6 +47,7 @@ import flag_checks
 import flags
 import forward
 import grpo_loss
+import hf_export
 import hf_weights
 import launch
 import megatron_model
@@ -4381,16 +4382,6 @@ def test_checkpoint_resume_refuses_settings_that_make_another_run_and_takes_the_
 # ---------------------------------------------------------------------------------------
 
 
-def test_hf_weights_final_is_published_whole_with_the_umask_permissions(uninterrupted_run):
-    final = os.path.join(uninterrupted_run[0], "final")
-    umask = os.umask(0)
-    os.umask(umask)
-    modes = {name: stat_mode for name in os.listdir(final)
-             for stat_mode in [os.stat(os.path.join(final, name)).st_mode & 0o777]}
-    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
-    assert not any(os.path.exists(final + suffix) for suffix in (".partial", ".old"))
-
-
 def _per_token_loss(model, token_ids):
     """Megatron's per-token cross entropy of token_ids[1:] given the prefix (= -log-prob), shape [T-1]."""
     tokens = torch.tensor([token_ids[:-1]])
@@ -5832,6 +5823,40 @@ def test_forward_cuda_moe_families_match_the_cpu_path(moe_checkpoints, family):
 
 
 # ---------------------------------------------------------------------------------------
+# hf_export: the policy written as a HF directory: model.safetensors, the source's config and tokenizer, published whole
+# ---------------------------------------------------------------------------------------
+
+def test_hf_export_copies_config_tokenizer_and_remote_code_never_the_quantization(tmp_path):
+    source, out = tmp_path / "source", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    config = {"architectures": ["MiMoForCausalLM"], "auto_map": {"AutoConfig": "configuration_mimo.MiMoConfig",
+                                                                "AutoTokenizer": [None, "org/repo--tokenization_x.Tok"]},
+              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (source / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "configuration_mimo.py", "tokenization_x.py", "model.safetensors", "notes.txt"):
+        (source / name).write_text(name)
+    hf_export.copy_hf_metadata(str(source), str(out))
+    assert sorted(os.listdir(out)) == ["config.json", "configuration_mimo.py", "tokenization_x.py", "tokenizer.json"]
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in written and written["auto_map"] == config["auto_map"]
+    # A source without quantization: its config.json copied byte for byte.
+    (source / "config.json").write_text('{"architectures": ["MiMoForCausalLM"]}')
+    hf_export.copy_hf_metadata(str(source), str(out))
+    assert (out / "config.json").read_text() == '{"architectures": ["MiMoForCausalLM"]}'
+
+
+def test_hf_export_final_is_published_whole_with_the_umask_permissions(uninterrupted_run):
+    final = os.path.join(uninterrupted_run[0], "final")
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: stat_mode for name in os.listdir(final)
+             for stat_mode in [os.stat(os.path.join(final, name)).st_mode & 0o777]}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+    assert not any(os.path.exists(final + suffix) for suffix in (".partial", ".old"))
+
+
+# ---------------------------------------------------------------------------------------
 # vllm_sync: pushes Megatron weights into vLLM in buckets, repacks CPU experts, checks the MTP draft bit for bit
 # ---------------------------------------------------------------------------------------
 
@@ -5908,7 +5933,7 @@ def _push_into_vllm(checkpoint, saved_dir):
                                                      weight_version="step-2")
     result["weight_version"] = engine.get_weight_version()
     result["pushed"] = _greedy(engine, SamplingParams)
-    hf_weights.save_hf_checkpoint(model, checkpoint, saved_dir)
+    hf_export.save_hf_checkpoint(model, checkpoint, saved_dir)
     result["saved_files"] = sorted(os.listdir(saved_dir))
     result["fresh"] = _greedy(LLM(model=saved_dir, **WEIGHT_SYNC_ENGINE_OPTIONS), SamplingParams)
     fallback = LLM(model=checkpoint, **WEIGHT_SYNC_ENGINE_OPTIONS)
@@ -6801,7 +6826,7 @@ def _train_steps(checkpoint, dtype_name, saved_dir=None, steps=TRAIN_STEP_STEPS)
               "weights": torch.cat([param.detach().float().flatten().cpu() for param in model.parameters()])}
     result["weights_moved"] = (result["weights"] - initial).abs().max().item()
     if saved_dir is not None:
-        hf_weights.save_hf_checkpoint(model, checkpoint, saved_dir)
+        hf_export.save_hf_checkpoint(model, checkpoint, saved_dir)
         reloaded = build_gpt_model(saved_dir, params_dtype=getattr(torch, dtype_name))
         hf_weights.load_hf_into_megatron(reloaded, saved_dir)
         result["reload_identical"] = all(torch.equal(a, b) for a, b in
@@ -6973,6 +6998,17 @@ def test_warm_start_step_is_the_gradient_of_the_answers_cross_entropy():
     gradient, = torch.autograd.grad(per_token.mean(), logits, retain_graph=True)
     expected, = torch.autograd.grad(-logprobs.mean(), logits)
     torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("flag", ["--mtp-train-depths", "--steps", "--answers-per-step"])
+def test_warm_start_refuses_a_count_below_one_before_any_model(flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["warm_start.py", "--base", str(tmp_path / "base"), "--out", str(tmp_path / "out"),
+                                      flag, "0"])
+    monkeypatch.setattr(warm_start, "warm_start", lambda *args: pytest.fail("built a model from a refused flag"))
+    with pytest.raises(SystemExit):
+        warm_start.main()
+    assert f"argument {flag}: 0: expected an int >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_warm_start_builds_once_learns_and_is_rebuilt_when_its_inputs_change(tmp_path, capfd, monkeypatch):
@@ -7689,7 +7725,7 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
 
 
 def _write_draft_friendly_checkpoint(checkpoint, out_dir):
-    return hf_weights.save_hf_checkpoint(_draft_friendly_megatron_model(checkpoint), checkpoint, out_dir)
+    return hf_export.save_hf_checkpoint(_draft_friendly_megatron_model(checkpoint), checkpoint, out_dir)
 
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):

@@ -19,7 +19,7 @@ line, checked and resolved, and each module's config from it), tasks.py (built-i
 data files), rewards.py (exact match, --reward), rollout.py (vLLM engines), draft_tuner.py
 (how many tokens to draft), grpo_loss.py (advantages, aggregation, PPO loss), trainer.py
 (the Megatron train step), forward.py (Megatron log-probs), vllm_sync.py (Megatron -> vLLM),
-hf_weights.py (Megatron <-> HF), checkpoint.py (save, resume, signals, the --out lock),
+hf_weights.py (Megatron <-> HF), hf_export.py (the final HF directory), checkpoint.py (save, resume, signals, the --out lock),
 run_log.py (console, metrics.jsonl, TensorBoard, plots).
 Metrics: OUT/metrics.jsonl, TensorBoard under OUT/tensorboard, curves.png and
 acceptance_vs_entropy.png at the end; the trained policy as a HF checkpoint in OUT/final.
@@ -72,7 +72,7 @@ import checkpoint  # noqa: E402
 import draft_tuner  # noqa: E402
 import flags  # noqa: E402
 import grpo_loss  # noqa: E402
-import hf_weights  # noqa: E402
+import hf_export  # noqa: E402
 import launch  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
@@ -381,8 +381,8 @@ def finish(run, records, loggers, seconds):
     `loggers` (TensorBoard's writer, the W&B run; each None when off) are closed."""
     out = run.config.out
     try:
-        hf_weights.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
-    except hf_weights.ExportError as error:
+        hf_export.save_hf_checkpoint(run.policy.model, run.model_dir, os.path.join(out, "final"))
+    except hf_export.ExportError as error:
         raise usage_error(f"{error}; the checkpoint of step {run.config.steps} is in "
                           f"{os.path.join(out, checkpoint.CHECKPOINTS_DIR)}: free some space, and the same command "
                           "resumes from it and exports again") from None

@@ -22,7 +22,7 @@ stamp is written last, so an interrupted stage is never mistaken for a finished 
 stage runs in one process, whatever the caller's layout, so every run gets the same model.
 
 Imports torch, megatron-core (through trainer), transformers (the tokenizer) and the
-project's tasks, tiny_model (its stamp), trainer, grpo_loss, hf_weights, mtp_patch,
+project's tasks, tiny_model (its stamp), trainer, grpo_loss, hf_export, mtp_patch,
 mtp_policy_target and cpu_backend.
 """
 
@@ -39,7 +39,7 @@ import time
 import torch
 
 import grpo_loss
-import hf_weights
+import hf_export
 import mtp_patch
 import mtp_policy_target
 import tasks
@@ -130,7 +130,7 @@ def warm_start(config, base_dir, out_dir):
                   f"{step / elapsed:.1f} steps/s, ETA {(config.steps - step) * elapsed / step:.0f} s", flush=True)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
-    hf_weights.save_hf_checkpoint(policy.model, base_dir, out_dir)
+    hf_export.save_hf_checkpoint(policy.model, base_dir, out_dir)
     with open(os.path.join(out_dir, STAMP), "w") as f:
         json.dump(stamp_of(config, base_dir), f, indent=2)
     return out_dir
@@ -153,6 +153,17 @@ def warm_started(config, base_dir, out_dir):
     return out_dir
 
 
+def positive_int(text):
+    """argparse type: an int >= 1, else the value named and what was expected."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected an int >= 1")
+    return value
+
+
 def main():
     defaults = WarmStartConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -160,14 +171,14 @@ def main():
     parser.add_argument("--out", required=True, help="directory to write the supervised checkpoint into")
     parser.add_argument("--task", choices=sorted(tasks.TASKS), default=defaults.task,
                         help="the built-in task whose training answers the model learns")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    parser.add_argument("--answers-per-step", type=int, default=defaults.answers_per_step,
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="optimizer steps")
+    parser.add_argument("--answers-per-step", type=positive_int, default=defaults.answers_per_step,
                         help="answers in each step's batch, drawn from the training pool")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the batches' draws")
     parser.add_argument("--mtp-loss", choices=mtp_policy_target.POLICY_TARGET_LOSSES, default=defaults.mtp_loss,
                         help="the MTP head's loss against the policy (train_grpo's --mtp-loss)")
-    parser.add_argument("--mtp-train-depths", type=int, default=defaults.mtp_train_depths,
+    parser.add_argument("--mtp-train-depths", type=positive_int, default=defaults.mtp_train_depths,
                         help="the MTP depths the head trains (train_grpo's --mtp-train-depths; default: one per "
                              "MTP layer)")
     args = parser.parse_args()
