@@ -284,7 +284,7 @@ def measure_spec_rollout(checkpoint, threads):
 
 
 def auto_band_speedups(tuner, concurrency):
-    """The tries' fastest tokens/s at `concurrency`'s band, per variant (plain, k = 0, 1, ...),
+    """The tries' mean tokens/s at `concurrency`'s band, per variant (plain, k = 0, 1, ...),
     relative to the plain engine's; None where a variant was not tried."""
     band = spec_config.band_of(concurrency)
     plain = tuner.band_speeds(draft_tuner.PLAIN)[band] if draft_tuner.PLAIN in tuner.realized else None

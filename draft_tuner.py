@@ -7,12 +7,11 @@ away from only costs. So the number of draft tokens k (0 = no drafting) is measu
 assumed, and measured on the rollouts themselves: short timing rollouts mislead (on a
 shared machine a burst of load slows a short rollout whole, and at temperature 1 a few
 sequences sampled off what the draft predicts make one short rollout far slower than the
-next), while a few real rollouts taking turns measure each k to a few percent (one
-rollout's speed differs from the next by about 5%). The tries are per band of batch sizes
-and cost little where drafting cannot pay: each band starts at k = 0 and 1, goes to the
-deepest k only once its deepest is about the fastest, then down from its fastest, drops a k
-once it is clearly slower, and runs its fastest k once nothing is left to measure; the plain engine is tried again only while
-its time and the bands' are close (DraftTuner).
+next), while a few real rollouts taking turns measure what a draft costs. Three tries, per
+band of batch sizes: the plain engine, k = 0 and the deepest k. From them a cost model
+chooses each band's k: a draft's cost as a share of a step, from the deepest k's speed
+over k = 0's, non-decreasing from thin bands to crowded ones, against the tokens a verify
+step at k emits at the acceptance the engine measures (DraftTuner).
 
     tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
     for step in steps:
@@ -58,15 +57,16 @@ def acceptance_by_depth(statistics):
     return [count / drafted for count, drafted in zip(statistics["accepted_per_position"], drafts) if drafted]
 
 
-# DraftTuner: each candidate gets up to this many measurements per band (one rollout's speed
-# differs from the next by about 5%, and a burst of load slows one of them: the fastest
-# counts); one whose fastest is slower than its band's best by more than ELIMINATION_MARGIN
-# is dropped there (twice the spread two noisy rollouts can show, plus room: a candidate
-# that far behind does not catch up by noise); and the least a drafted token costs, as a
-# share of a target step (one MTP layer next to a 16-layer target costs more): a k whose
-# drafts add fewer tokens per step is not tried.
-TRY_ROUNDS = 3
-ELIMINATION_MARGIN = 0.15
+# DraftTuner's tries: the plain engine, k = 0 and the deepest k that could pay, each in
+# every band, TRY_ROUNDS times in turn. A band's speed at one k moves 15-25% from one
+# rollout to the next (its batch sizes and accepted drafts change), more than k = 2, 3 and
+# 4 differ by, so the tries do not compare each k's own speed: they measure what a draft
+# costs in each band and the choice follows from it and the acceptance. DRIFT_MARGIN: the
+# room `_could_pay` gives every estimate for the machine's drift since the tries. And the
+# least a drafted token costs, as a share of a target step (one MTP layer next to a
+# 16-layer target costs more): a k whose drafts add fewer tokens per step is not tried.
+TRY_ROUNDS = 1
+DRIFT_MARGIN = 0.15
 MIN_DRAFT_COST = 0.05
 # The acceptance check (while no rollout drafts): its new tokens (a few verify steps at the
 # deepest k) and prompts per engine (each with the rollout's completions per prompt).
@@ -87,48 +87,30 @@ class DraftTuner:
     tokens and seconds per band. `plan` and `after_rollout` (above in the module
     docstring) are the whole use.
 
-    The tries: the next rollouts are tries, of two kinds taking turns. A PLAIN try rolls
-    the whole rollout out with the draft idle. A band try gives each band its own k: each
-    band keeps its own candidates and measurements, and the bands are tried side by side.
-    - The search: a band's candidates start as k = 0 and 1. Once the deepest k opened
-      there was measured and ran within `margin` of the band's fastest, the deepest k that
-      could pay joins them (the jump: a band where k = 1 loses never tries deeper), and the
-      k just below the band's fastest joins once measured (the descent). The deepest that
-      could pay: where a verify step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at
-      depth i) are at least 1 + margin times its cost with each draft at MIN_DRAFT_COST of
-      a step (1 + k x MIN_DRAFT_COST). Nothing is tried where no k could pay (a random
-      draft). Climbing one k at a time stalls where one noisy try of k measured slower
-      than k - 1 (a band's speed moves 15-25% from one rollout to the next on a
-      long-tailed task), and thin bands, where the deepest k pays most, reach it last.
-    - Successive elimination: a measured candidate whose fastest is slower than its band's
-      fastest by more than ELIMINATION_MARGIN is dropped there; the others get up to
-      `rounds` measurements, the fewest-measured (then the smallest k) first. A band with
-      nothing left to measure runs the k it would choose now, the cheapest it can.
-    - PLAIN is measured first; once every band a try reached has measured each of its
-      candidates, again (after a band try, up to `rounds`) only while the rollout time of
-      the bands' fastest k and PLAIN's are within ELIMINATION_MARGIN of each other: a
-      clear winner needs no more rounds (and a PLAIN try costs where drafting wins). Once
-      no schedule could beat PLAIN by `margin` with every candidate of the bands PLAIN ran
-      measured once (`_plain_cannot_lose`), the drafting ones are dropped whole: further
-      measurements cannot pay. k = 0 counts at most at PLAIN's speed in a band: it does
-      PLAIN's work and more (the draft layer's forward and the verify path).
-    The tries end when neither PLAIN nor any band a try reached has a candidate left to
-    measure, or after `rounds` x (2 + the deepest k) of them (a band reached only now and
-    then); each counts its fastest per band (a burst of load slows one rollout, not the
-    choice).
+    The tries: the next 3 x `rounds` rollouts, taking turns: PLAIN (the whole rollout with
+    the draft idle), k = 0 in every band (the draft layer runs, nothing is drafted), and
+    the deepest k that could pay in every band: where a verify step's tokens (1 + A_1 + ...
+    + A_k, A_i the acceptance at depth i) are at least 1 + margin times its cost with each
+    draft at MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST). Nothing is tried where no
+    k could pay (a random draft). A band's speed at each is the mean over its tries.
 
-    The choice (`choose`, after the tries): per band, the drafting k fastest there (k > 0
-    must beat k = 0 by `margin`, so noise does not buy a slower band; a band no try ran
-    takes the nearest tried band's); that schedule's rollout time, the tries' tokens per
-    band over each band's speed, against PLAIN's, which must be slower by `margin` for any
-    band to draft. Between tries a band's speed at k follows the tokens its steps emit, so
-    each tried speed is scaled by 1 + A_1 + ... + A_k now over then: a draft the policy
-    left behind drops its bands to k = 0, and PLAIN once no band drafts. `retry` (a
-    fraction): the tries are stale once the tokens a deepest-k step emits rose this much
-    since they ended; a fall needs no tries, the scaled speeds already draft less. Neither
-    the period nor a rise re-opens them where, on the last rollout's bands, drafting could
-    not beat PLAIN even at its best (`_could_pay`). Its state is plain data
-    (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
+    The choice (`choose`, after the tries), per band, from a cost model: a verify step at k
+    costs a k = 0 step plus k drafts, and emits 1 + A_1 + ... + A_k tokens where a k = 0
+    step emits 1. A draft's cost, as a share of a k = 0 step, is what the deepest k's step
+    cost over k = 0's (its tokens per step at the tries' acceptance over its speed), per
+    draft; made non-decreasing from thin bands to crowded ones (`_non_decreasing`: a draft
+    costs more, relative to its step, the more sequences share the step), which pools the
+    bands' noise. Each band then takes the k whose tokens per step over its cost is
+    highest at today's acceptance (so a draft the policy left behind drops its bands to
+    k = 0); k > 0 must beat k = 0 by `margin`, and the bands' rollout time, the tries'
+    tokens per band over each band's modelled speed, must beat PLAIN's by `margin` for any
+    band to draft. k = 0 counts at most at PLAIN's speed in a band: it does PLAIN's work
+    and more (the draft layer's forward and the verify path). A band no try ran takes the
+    nearest tried band's k. `retry` (a fraction): the tries are stale once the tokens a
+    deepest-k step emits rose this much since they ended; a fall needs no tries, the model
+    already drafts less. Neither the period nor a rise re-opens them where, on the last
+    rollout's bands, drafting could not beat PLAIN even at its best (`_could_pay`). Its
+    state is plain data (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
     continues the tries where they were.
     """
 
@@ -142,8 +124,6 @@ class DraftTuner:
         self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries ended (began, while they run)
         self.trying = False  # whether the tries are under way
         self.deepest = 0  # the deepest k that could pay when the tries began
-        self.candidates = [[] for _ in range(num_bands)]  # per band, the k still tried there
-        self.opened = [[] for _ in range(num_bands)]  # per band, the k the search opened there
         self.tried = []  # each try's schedule so far (None: PLAIN), in order
         self.realized = {}  # variant -> [each band's tries' tokens/s]
         self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
@@ -187,18 +167,16 @@ class DraftTuner:
             self.acceptance[depth] = self.acceptance[depth - 1] * conditional
 
     def try_each(self):
-        """Begin the tries (the class docstring) at the current acceptance: every band at
-        candidates k = 0 and 1, up to the deepest k that could pay (none where no drafting
-        k could: then PLAIN without tries)."""
+        """Begin the tries (the class docstring) at the current acceptance: PLAIN, k = 0 and
+        the deepest k that could pay (none where no drafting k could: then PLAIN without
+        tries)."""
         paying = [k for k in range(1, self.max_tokens + 1)
                   if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
         self.deepest = max(paying, default=0)
         self.trying = bool(paying)
-        self.candidates = [[0, 1] if paying else [] for _ in range(self.num_bands)]
-        self.opened = [[0, 1] if paying else [] for _ in range(self.num_bands)]
         self.tried = []
-        variants = [PLAIN, 0, 1] if paying else []
-        self.realized = {variant: [[] for _ in range(self.num_bands)] for variant in variants}
+        self.realized = {variant: [[] for _ in range(self.num_bands)] for variant in (PLAIN, 0, 1, self.deepest)} \
+            if paying else {}
         self.band_tokens = [0] * self.num_bands
         self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
         self.tried_acceptance = None
@@ -209,9 +187,9 @@ class DraftTuner:
 
     def is_stale(self):
         """Whether the acceptance rose so far (by more than `retry`) since the tries ended
-        that a k that lost then may win now. A fall is not: each band's tried speeds,
-        scaled to today's acceptance, already choose fewer drafts or none (`choose`), and a
-        dip of one rollout would otherwise cost a round of tries."""
+        that a k that lost then may win now. A fall is not: the model, at today's
+        acceptance, already chooses fewer drafts or none (`choose`), and a dip of one
+        rollout would otherwise cost a round of tries."""
         if self.tried_tokens_per_step is None:
             return False
         return self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1 > self.retry
@@ -228,104 +206,28 @@ class DraftTuner:
                                  "with tokens >= 0 and positive finite seconds")
         schedule = self._next_try()
         for band, (tokens, seconds) in band_counts.items():
-            self.realized[PLAIN if schedule is None else schedule[band]][band].append(tokens / seconds)
+            variant = PLAIN if schedule is None else schedule[band]
+            self.realized.setdefault(variant, [[] for _ in range(self.num_bands)])[band].append(tokens / seconds)
             self.band_tokens[band] += tokens
         self.tried.append(schedule)
-        for band in range(self.num_bands):
-            self._eliminate_and_open(band)
-        if not self._tries_left():
+        if len(self.tried) >= len(self._try_order()) * self.rounds:
             self.trying = False
             self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
             self.tried_acceptance = list(self.acceptance)
 
-    def _eliminate_and_open(self, band):
-        """Drop `band`'s candidates slower than its fastest by more than ELIMINATION_MARGIN;
-        open the deepest k once the deepest opened ran within `margin` of the fastest (the
-        jump), and the k below the fastest (the descent)."""
-        speeds = {k: speed for k in self.opened[band] if (speed := self.band_speeds(k)[band]) is not None}
-        if not speeds:
-            return
-        fastest_k = max(speeds, key=speeds.get)
-        fastest = speeds[fastest_k]
-        self.candidates[band] = [k for k in self.candidates[band]
-                                 if k not in speeds or speeds[k] * (1 + ELIMINATION_MARGIN) >= fastest]
-        top = max(self.opened[band])
-        opening = {fastest_k - 1} if fastest_k > 1 else set()
-        if top < self.deepest and top in self.candidates[band] and top in speeds and \
-                speeds[top] * (1 + self.margin) >= fastest:
-            opening.add(self.deepest)
-        for k in sorted(opening - set(self.opened[band])):
-            self.opened[band] = sorted(self.opened[band] + [k])
-            self.candidates[band].append(k)
-            self.realized.setdefault(k, [[] for _ in range(self.num_bands)])
-
-    def _unmeasured(self, band, least=None):
-        """`band`'s candidates with fewer than `least` (default `rounds`) measurements."""
-        return [k for k in self.candidates[band] if len(self.realized[k][band]) < (least or self.rounds)]
-
-    def _unmeasured_bands(self, least=None):
-        """The bands a try reached with a candidate measured fewer than `least` (default
-        `rounds`) times."""
-        return [band for band in range(self.num_bands) if self.band_tokens[band] and self._unmeasured(band, least)]
-
-    def _plain_due(self):
-        """Whether PLAIN needs another try: none yet, or fewer than `rounds` while its
-        rollout time and the bands' fastest k's are within ELIMINATION_MARGIN, judged once
-        every band a try reached has measured each of its candidates."""
-        plain_tries = self.tried.count(None)
-        if not plain_tries or plain_tries >= self.rounds or self._unmeasured_bands(least=1):
-            return not plain_tries
-        _, drafting_seconds, plain_seconds = self._schedule_seconds()
-        return not drafting_seconds or max(drafting_seconds / plain_seconds,
-                                           plain_seconds / drafting_seconds) <= 1 + ELIMINATION_MARGIN
-
-    def _bands_due(self):
-        """Whether a band a try reached has a candidate to measure, while PLAIN has not beaten
-        the bands' fastest k by more than ELIMINATION_MARGIN with every candidate measured,
-        nor beaten any schedule's bound (`_plain_cannot_lose`)."""
-        if not self._unmeasured_bands() or (None in self.tried and self._plain_cannot_lose()):
-            return False
-        if self._unmeasured_bands(least=1) or None not in self.tried:
-            return True
-        _, drafting_seconds, plain_seconds = self._schedule_seconds()
-        return not (drafting_seconds and drafting_seconds > (1 + ELIMINATION_MARGIN) * plain_seconds)
-
-    def _plain_cannot_lose(self):
-        """Whether no schedule the tries could still find would be chosen over PLAIN (by
-        `margin`): with each candidate of the bands PLAIN ran measured, those bands at their
-        fastest k (k = 0 at most at PLAIN's speed), even with the other bands free, do not
-        beat PLAIN's whole rollout at most (those bands at their k = 0 speed, which PLAIN's
-        idle draft beats) by `margin`. A band a try reaches now and then (a few sequences
-        ending early) opens candidates of its own, but cannot buy back a loss in the bands
-        that hold the tokens; False where such a band never ran k = 0."""
-        plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
-        if any(tokens and plain[band] and self._unmeasured(band, least=1) for band, tokens in enumerate(self.band_tokens)):
-            return False  # a k not yet tried where the tokens are may still beat PLAIN
-        _, drafting_seconds, plain_seconds = self._schedule_seconds()
-        for band, tokens in enumerate(self.band_tokens):
-            if tokens and not plain[band]:
-                if not no_draft[band]:
-                    return False
-                plain_seconds += tokens / no_draft[band]
-        return bool(plain_seconds) and (1 + self.margin) * drafting_seconds > plain_seconds
-
-    def _tries_left(self):
-        """Whether a try is due (PLAIN or a band's), within `rounds` x (2 + the deepest k) tries."""
-        return len(self.tried) < self.rounds * (2 + self.deepest) and (self._plain_due() or self._bands_due())
-
     def _next_try(self):
-        """The next try's schedule: PLAIN (None) where due and the last try was not PLAIN
-        (or no band is due); else per band its fewest-measured candidate (the smallest k
-        on a tie), or where none is left, the k it would choose now."""
-        bands_due = self._bands_due()
-        if self._plain_due() and (not bands_due or not self.tried or self.tried[-1] is not None):
-            return None
-        return [min(due, key=lambda k: (len(self.realized[k][band]), k)) if (due := self._unmeasured(band))
-                else self._band_best(band)[0] for band in range(self.num_bands)]
+        """The next try's schedule, `_try_order`'s in turn (None: PLAIN)."""
+        order = self._try_order()
+        return order[len(self.tried) % len(order)]
+
+    def _try_order(self):
+        """PLAIN, k = 0 everywhere, k = 1 everywhere and, where deeper, the deepest k everywhere."""
+        return [None] + [[k] * self.num_bands for k in sorted({0, 1, self.deepest})]
 
     def band_speeds(self, variant):
-        """[each band's fastest tried tokens/s at `variant`, None where it ran no step]."""
-        return [max(speeds) if speeds else None for speeds in self.realized[variant]]
+        """[each band's mean tried tokens/s at `variant`, None where it ran no step]."""
+        return [sum(speeds) / len(speeds) if speeds else None for speeds in self.realized.get(variant, [])] or \
+            [None] * self.num_bands
 
     def choose(self):
         """The next rollout's schedule: the next try's (None: PLAIN; else a k per band),
@@ -336,34 +238,50 @@ class DraftTuner:
             return None
         return self._fastest_schedule()
 
-    def _band_best(self, band, acceptance=None):
-        """(the drafting k fastest in `band`, its tokens/s; k = 0's, at most PLAIN's, without
-        another that beats it by `margin`; None where k = 0 never ran there), each speed
-        scaled to `acceptance` (default today's) after the tries."""
-        no_draft = self.band_speeds(0)[band] if 0 in self.realized else None
-        plain = self.band_speeds(PLAIN)[band] if PLAIN in self.realized else None
-        if no_draft and plain:
-            # k = 0 does PLAIN's work and more (the draft layer's forward, the verify path):
-            # faster only by noise or against a PLAIN try that met cold shapes first.
-            no_draft = min(no_draft, plain)
-        best, best_speed = 0, no_draft
-        for k in (variant for variant in self.realized if variant not in (PLAIN, 0)):
-            speed = self.band_speeds(k)[band]
-            if speed is None or best_speed is None:
-                continue
-            if self.tried_acceptance is not None:
-                speed *= self.tokens_per_step(k, acceptance) / self.tokens_per_step(k, self.tried_acceptance)
-            if speed >= (1 + self.margin) * no_draft and speed > best_speed:
-                best, best_speed = k, speed
-        return best, best_speed
+    def _no_draft_speeds(self):
+        """Each band's k = 0 speed, at most PLAIN's (None where k = 0 never ran there)."""
+        return [min(no_draft, plain) if no_draft and plain else no_draft
+                for no_draft, plain in zip(self.band_speeds(0), self.band_speeds(PLAIN))]
+
+    def draft_costs(self):
+        """Per band, (what drafting at all adds to a verify step, what each drafted token
+        adds), each as a share of a k = 0 step: a tried k's step cost over k = 0's (its
+        tokens per step at the tries' acceptance over its speed), less one, is the first
+        plus k times the second (a line through the tried k's: the verify path and the
+        draft's own pass cost whatever k drafts; one k tried: through the origin). Each
+        tried k's extra cost is first made non-decreasing from thin bands to crowded ones.
+        None where the band lacks k = 0's speed or any drafting k's."""
+        acceptance = self.tried_acceptance or self.acceptance
+        no_draft = self._no_draft_speeds()
+        extra = {}  # k -> per band, a step at k's cost over a k = 0 step, less one
+        for k in sorted(variant for variant in self.realized if variant not in (PLAIN, 0)):
+            extra[k] = _non_decreasing([self.tokens_per_step(k, acceptance) * base / speed - 1 if base and speed else None
+                                        for base, speed in zip(no_draft, self.band_speeds(k))], self.band_tokens)
+        costs = []
+        for band in range(self.num_bands):
+            points = [(k, max(0.0, values[band])) for k, values in extra.items() if values[band] is not None]
+            costs.append(_line(points) if points else None)
+        return costs
+
+    def _band_best(self, no_draft, cost, acceptance=None):
+        """(the k fastest in a band whose k = 0 speed is `no_draft` and whose drafting costs
+        `cost` (draft_costs'), at `acceptance` (default today's); its modelled tokens/s):
+        k > 0 only where it beats k = 0 by `margin`."""
+        if not no_draft or cost is None:
+            return 0, no_draft
+        fixed, per_draft = cost
+        best = max(range(1, self.max_tokens + 1),
+                   key=lambda k: self.tokens_per_step(k, acceptance) / (1 + fixed + k * per_draft))
+        speed = no_draft * self.tokens_per_step(best, acceptance) / (1 + fixed + best * per_draft)
+        return (best, speed) if speed >= (1 + self.margin) * no_draft else (0, no_draft)
 
     def _schedule_seconds(self, acceptance=None):
-        """(each band's fastest drafting k, _band_best's; the tries' tokens at those k's
+        """(each band's fastest k, _band_best's; the tries' tokens at those k's modelled
         speeds and at PLAIN's, in seconds, over the bands both ran)."""
         plain = self.band_speeds(PLAIN)
         schedule, drafting_seconds, plain_seconds = [], 0.0, 0.0
-        for band in range(self.num_bands):
-            best, best_speed = self._band_best(band, acceptance)
+        for band, (no_draft, cost) in enumerate(zip(self._no_draft_speeds(), self.draft_costs())):
+            best, best_speed = self._band_best(no_draft, cost, acceptance)
             schedule.append(best)
             if self.band_tokens[band] and best_speed and plain[band]:
                 drafting_seconds += self.band_tokens[band] / best_speed
@@ -371,8 +289,8 @@ class DraftTuner:
         return schedule, drafting_seconds, plain_seconds
 
     def _fastest_schedule(self, acceptance=None):
-        """Per band the fastest drafting k (its speed scaled to `acceptance`, default
-        today's), where the bands' rollout time beats PLAIN's; else None."""
+        """Per band the fastest k (at `acceptance`, default today's), where the bands'
+        rollout time beats PLAIN's; else None."""
         schedule, drafting_seconds, plain_seconds = self._schedule_seconds(acceptance)
         schedule = _fill_unseen(schedule, [speed is not None for speed in self.band_speeds(0)])
         if not any(schedule) or plain_seconds < (1 + self.margin) * drafting_seconds:
@@ -414,30 +332,24 @@ class DraftTuner:
 
     def _could_pay(self, band_counts):
         """Whether a schedule could beat PLAIN by `margin` on a rollout of these {band:
-        (tokens, seconds)} at today's acceptance, each band's speed at k estimated from its
-        tries: a verify step at k costs k = 0's step plus k drafts, each draft what the
-        deepest k tried there added over k = 0 (MIN_DRAFT_COST of a step where no k > 0
-        ran), and emits 1 + A_1 + ... + A_k tokens now; every estimate given
-        ELIMINATION_MARGIN of room for the machine's drift since. Where even that loses,
-        neither the period nor a rise of the acceptance can make a try pay. True where a
-        band lacks PLAIN's or k = 0's speed (nothing to judge it by)."""
+        (tokens, seconds)} at today's acceptance, each band at its modelled best (a draft at
+        the tries' `draft_costs`, MIN_DRAFT_COST of a step where none ran there), every
+        estimate given DRIFT_MARGIN of room for the machine's drift since. Where even that
+        loses, neither the period nor a rise of the acceptance can make a try pay. True
+        where a band lacks PLAIN's or k = 0's speed (nothing to judge it by)."""
         if self.tried_acceptance is None or PLAIN not in self.realized or 0 not in self.realized:
             return True
-        plain, no_draft = self.band_speeds(PLAIN), self.band_speeds(0)
+        plain, no_draft, costs = self.band_speeds(PLAIN), self._no_draft_speeds(), self.draft_costs()
         best_seconds = plain_seconds = 0.0
         for band, (tokens, _) in band_counts.items():
             if not tokens:
                 continue
             if not plain[band] or not no_draft[band]:
                 return True
-            step_cost, draft_cost = 1 / no_draft[band], MIN_DRAFT_COST / no_draft[band]
-            tried = [k for k in self.realized if k not in (PLAIN, 0) and self.band_speeds(k)[band]]
-            if tried:
-                deepest = max(tried)
-                cost = self.tokens_per_step(deepest, self.tried_acceptance) / self.band_speeds(deepest)[band]
-                draft_cost = max(0.0, cost - step_cost) / deepest
-            best = max(self.tokens_per_step(k) / (step_cost + k * draft_cost) for k in range(1, self.max_tokens + 1))
-            best_seconds += tokens / max(plain[band], (1 + ELIMINATION_MARGIN) * best)
+            fixed, per_draft = (0.0, MIN_DRAFT_COST) if costs[band] is None else costs[band]
+            best = no_draft[band] * max(self.tokens_per_step(k) / (1 + fixed + k * per_draft)
+                                        for k in range(1, self.max_tokens + 1))
+            best_seconds += tokens / max(plain[band], (1 + DRIFT_MARGIN) * best)
             plain_seconds += tokens / plain[band]
         return (1 + self.margin) * best_seconds < plain_seconds
 
@@ -455,12 +367,46 @@ class DraftTuner:
                              "rollouts at one k, not k per band): expected every name of DraftTuner._STATE")
         for name in self._STATE:
             setattr(self, name, state[name])
-        # A state saved while the search climbed one k at a time kept each band's deepest.
-        self.opened = [list(range(opened + 1)) if isinstance(opened, int) else opened for opened in self.opened]
 
     _STATE = ("max_tokens", "num_bands", "margin", "retry", "rounds", "acceptance", "tried_tokens_per_step",
-              "trying", "deepest", "candidates", "opened", "tried", "realized", "band_tokens", "tried_acceptance",
-              "measured", "drafted", "estimated", "could_pay")
+              "trying", "deepest", "tried", "realized", "band_tokens", "tried_acceptance", "measured", "drafted",
+              "estimated", "could_pay")
+
+
+def _line(points):
+    """(intercept, slope), both >= 0, of the least-squares line through [(k, value)]: where
+    the free line's intercept or slope would fall below 0, the best line with it at 0
+    (through the origin; flat at the mean); through the origin where the points hold one k."""
+    through_origin = max(0.0, sum(k * value for k, value in points) / sum(k * k for k, _ in points))
+    if len({k for k, _ in points}) == 1:
+        return 0.0, through_origin
+    count = len(points)
+    mean_k, mean_value = sum(k for k, _ in points) / count, sum(value for _, value in points) / count
+    slope = sum((k - mean_k) * (value - mean_value) for k, value in points) / sum((k - mean_k) ** 2 for k, _ in points)
+    if slope < 0:
+        return max(0.0, mean_value), 0.0
+    if mean_value - slope * mean_k < 0:
+        return 0.0, through_origin
+    return mean_value - slope * mean_k, slope
+
+
+def _non_decreasing(values, weights):
+    """`values` (None skipped) made non-decreasing in order, each run that falls replaced by
+    its `weights`-weighted mean (pool adjacent violators: the least squares fit)."""
+    blocks = []  # [mean, weight, indices]
+    for index, value in enumerate(values):
+        if value is None:
+            continue
+        blocks.append([value, max(weights[index], 1), [index]])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (high, high_weight, high_indices), (low, low_weight, low_indices) = blocks.pop(-2), blocks.pop()
+            total = high_weight + low_weight
+            blocks.append([(high * high_weight + low * low_weight) / total, total, high_indices + low_indices])
+    fitted = list(values)
+    for mean, _, indices in blocks:
+        for index in indices:
+            fitted[index] = mean
+    return fitted
 
 
 def _fill_unseen(schedule, seen):

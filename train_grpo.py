@@ -223,7 +223,7 @@ def draft_record(engines, acceptance, checked, tried):
     mean_acceptance_length and acceptance_by_depth ([A_1..A_k], A_i the share of verify
     steps that accepted the first i drafts; None without drafting), and under auto
     check_acceptance_by_depth (the tune phase's check, at the deepest k, on the steps it
-    ran) and tried_band_speeds (each variant's fastest tokens/s per band so far, on the
+    ran) and tried_band_speeds (each variant's mean tokens/s per band so far, on the
     steps whose rollout was a try)."""
     record = {"draft_tokens": engines.draft_tokens(), "draft_schedule": engines.schedule,
               "bands": {spec_config.band_label(band): counts for band, counts in engines.bands.items()},
