@@ -321,12 +321,13 @@ class DraftTuner:
     def after_rollout(self, schedule, band_counts, statistics):
         """After a rollout at the schedule `plan` named: its {band: (tokens, seconds)} (a
         try's; ignored outside the tries) and its acceptance statistics (None without
-        drafting)."""
-        if self.exploring():
-            self.record(band_counts)
+        drafting). The acceptance goes in first: the last try's speed was at the acceptance
+        it measured, which the tries' cost model reads (`tried_acceptance`)."""
         self.drafted = schedule is not None and any(schedule)
         if self.drafted:
             self.observe(statistics)
+        if self.exploring():
+            self.record(band_counts)
         if not self.exploring():
             self.could_pay = self._could_pay(band_counts)
 

@@ -2071,6 +2071,24 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
         == [0.5, 0.25]
 
 
+def test_draft_tuner_tries_read_the_last_trys_own_acceptance():
+    """The check before the tries (the warm start's weights) found depths 2 and 3 accepted
+    little; the tries' last rollout, at the deepest k, measured them far higher. Its speed
+    was at that acceptance, so the model reads it (`tried_acceptance`), and the rise it
+    measured is not news: the tries are not stale at once. Recorded before the acceptance
+    went in, the tail task's runs tried again 4 rollouts after their tries ended."""
+    tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
+    tuner.plan(1, lambda: _acceptance_statistics([0.8, 0.3, 0.1]), 5, 50, drafting=False)
+    seconds = {None: 1.0, 0: 1.05, 1: 0.7, 3: 0.45}
+    for step in range(1, 5):
+        schedule = tuner.choose() if step > 1 else None
+        variant = schedule[0] if schedule else None
+        tuner.after_rollout(schedule, {0: (100, seconds[variant])},
+                            _acceptance_statistics([0.85, 0.7, 0.6][:variant]) if variant else None)
+    assert not tuner.exploring() and tuner.tried_acceptance == pytest.approx([0.85, 0.7, 0.6])
+    assert not tuner.is_stale() and tuner.choose() == [3]
+
+
 def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_hand():
     """observe_estimate, as train_grpo calls it after each step's training: after a rollout
     that did not draft, A_1 is the estimate and each deeper A_i the one before times the
