@@ -7,11 +7,12 @@ away from only costs. So the number of draft tokens k (0 = no drafting) is measu
 assumed, and measured on the rollouts themselves: short timing rollouts mislead (on a
 shared machine a burst of load slows a short rollout whole, and at temperature 1 a few
 sequences sampled off what the draft predicts make one short rollout far slower than the
-next), while a few real rollouts taking turns measure what a draft costs. Three tries, per
-band of batch sizes: the plain engine, k = 0 and the deepest k. From them a cost model
-chooses each band's k: a draft's cost as a share of a step, from the deepest k's speed
-over k = 0's, non-decreasing from thin bands to crowded ones, against the tokens a verify
-step at k emits at the acceptance the engine measures (DraftTuner).
+next), while a few real rollouts taking turns measure what drafting costs. Four tries, per
+band of batch sizes: the plain engine, k = 0, k = 1 and the deepest k. From them a cost
+model chooses each band's k: drafting's fixed and per-draft cost as shares of a step, from
+k = 1's and the deepest k's speeds over k = 0's, non-decreasing from thin bands to crowded
+ones, against the tokens a verify step at k emits at the acceptance the engine measures
+(DraftTuner).
 
     tuner = DraftTuner(max_tokens=3, num_bands=len(spec_config.BAND_EDGES))
     for step in steps:
@@ -57,11 +58,13 @@ def acceptance_by_depth(statistics):
     return [count / drafted for count, drafted in zip(statistics["accepted_per_position"], drafts) if drafted]
 
 
-# DraftTuner's tries: the plain engine, k = 0 and the deepest k that could pay, each in
-# every band, TRY_ROUNDS times in turn. A band's speed at one k moves 15-25% from one
-# rollout to the next (its batch sizes and accepted drafts change), more than k = 2, 3 and
-# 4 differ by, so the tries do not compare each k's own speed: they measure what a draft
-# costs in each band and the choice follows from it and the acceptance. DRIFT_MARGIN: the
+# DraftTuner's tries: the plain engine, k = 0, k = 1 and the deepest k that could pay,
+# each in every band, TRY_ROUNDS times in turn (each try costs where it is slow, and more
+# rounds bought less than they cost on the tail task). A band's speed at one k moves
+# 14-24% from one rollout to the next (its batch sizes and accepted drafts change), more
+# than k = 2, 3 and 4 differ by, so the tries do not compare each k's own speed: they
+# measure what drafting costs in each band and the choice follows from it and the
+# acceptance. DRIFT_MARGIN: the
 # room `_could_pay` gives every estimate for the machine's drift since the tries. And the
 # least a drafted token costs, as a share of a target step (one MTP layer next to a
 # 16-layer target costs more): a k whose drafts add fewer tokens per step is not tried.
@@ -87,20 +90,23 @@ class DraftTuner:
     tokens and seconds per band. `plan` and `after_rollout` (above in the module
     docstring) are the whole use.
 
-    The tries: the next 3 x `rounds` rollouts, taking turns: PLAIN (the whole rollout with
-    the draft idle), k = 0 in every band (the draft layer runs, nothing is drafted), and
-    the deepest k that could pay in every band: where a verify step's tokens (1 + A_1 + ...
-    + A_k, A_i the acceptance at depth i) are at least 1 + margin times its cost with each
-    draft at MIN_DRAFT_COST of a step (1 + k x MIN_DRAFT_COST). Nothing is tried where no
-    k could pay (a random draft). A band's speed at each is the mean over its tries.
+    The tries: the next 4 x `rounds` rollouts (3 where the deepest k is 1), taking turns:
+    PLAIN (the whole rollout with the draft idle), k = 0 in every band (the draft layer
+    runs, nothing is drafted), k = 1 and the deepest k that could pay in every band: where
+    a verify step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at
+    least 1 + margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x
+    MIN_DRAFT_COST). Nothing is tried where no k could pay (a random draft). A band's speed
+    at each is the mean over its tries.
 
-    The choice (`choose`, after the tries), per band, from a cost model: a verify step at k
-    costs a k = 0 step plus k drafts, and emits 1 + A_1 + ... + A_k tokens where a k = 0
-    step emits 1. A draft's cost, as a share of a k = 0 step, is what the deepest k's step
-    cost over k = 0's (its tokens per step at the tries' acceptance over its speed), per
-    draft; made non-decreasing from thin bands to crowded ones (`_non_decreasing`: a draft
-    costs more, relative to its step, the more sequences share the step), which pools the
-    bands' noise. Each band then takes the k whose tokens per step over its cost is
+    The choice (`choose`, after the tries), per band, from a cost model (`draft_costs`): a
+    verify step at k costs a k = 0 step, plus what drafting at all adds (the verify path,
+    the draft's pass), plus k drafts; it emits 1 + A_1 + ... + A_k tokens where a k = 0
+    step emits 1. The k = 1 and deepest tries each give a step's cost over k = 0's (tokens
+    per step at the tries' acceptance over speed), first made non-decreasing from thin
+    bands to crowded ones (`_non_decreasing`: drafting costs more, relative to its step,
+    the more sequences share the step), which pools the bands' noise; a line through the
+    two gives the fixed and per-draft parts. Each band then takes the k whose tokens per
+    step over its cost is
     highest at today's acceptance (so a draft the policy left behind drops its bands to
     k = 0); k > 0 must beat k = 0 by `margin`, and the bands' rollout time, the tries'
     tokens per band over each band's modelled speed, must beat PLAIN's by `margin` for any
