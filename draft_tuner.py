@@ -275,11 +275,16 @@ class DraftTuner:
         k > 0 only where it beats k = 0 by `margin`."""
         if not no_draft or cost is None:
             return 0, no_draft
+        best, gain = self._best_draft(cost, acceptance)
+        return (best, no_draft * gain) if gain >= 1 + self.margin else (0, no_draft)
+
+    def _best_draft(self, cost, acceptance=None):
+        """(the k in 1..max_tokens whose tokens per step over its cost is highest, that
+        ratio: its modelled speed over k = 0's), drafting costing `cost` = (fixed,
+        per_draft) shares of a k = 0 step, at `acceptance` (default today's)."""
         fixed, per_draft = cost
-        best = max(range(1, self.max_tokens + 1),
-                   key=lambda k: self.tokens_per_step(k, acceptance) / (1 + fixed + k * per_draft))
-        speed = no_draft * self.tokens_per_step(best, acceptance) / (1 + fixed + best * per_draft)
-        return (best, speed) if speed >= (1 + self.margin) * no_draft else (0, no_draft)
+        return max(((k, self.tokens_per_step(k, acceptance) / (1 + fixed + k * per_draft))
+                    for k in range(1, self.max_tokens + 1)), key=lambda pair: pair[1])
 
     def _schedule_seconds(self, acceptance=None):
         """(each band's fastest k, _band_best's; the tries' tokens at those k's modelled
@@ -353,9 +358,7 @@ class DraftTuner:
                 continue
             if not plain[band] or not no_draft[band]:
                 return True
-            fixed, per_draft = (0.0, MIN_DRAFT_COST) if costs[band] is None else costs[band]
-            best = no_draft[band] * max(self.tokens_per_step(k) / (1 + fixed + k * per_draft)
-                                        for k in range(1, self.max_tokens + 1))
+            best = no_draft[band] * self._best_draft((0.0, MIN_DRAFT_COST) if costs[band] is None else costs[band])[1]
             best_seconds += tokens / max(plain[band], (1 + DRIFT_MARGIN) * best)
             plain_seconds += tokens / plain[band]
         return (1 + self.margin) * best_seconds < plain_seconds
