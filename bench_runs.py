@@ -581,6 +581,7 @@ def rl_round_row(number, runs, walls, oracle):
     drafting, none = runs["drafting"], runs["none"]
     rollout_phase = [rl_phase_seconds(records, ("tune", "rollout")) for records in (drafting, none)]
     step = [rl_phase_seconds(records, run_log.STEP_PHASES) for records in (drafting, none)]
+    train = [rl_phase_seconds(records, ("train",)) for records in (drafting, none)]
     bands = [rl_band_totals(records) for records in (drafting, none)]
     gain = rollout_phase[1] / rollout_phase[0]
     last = drafting[-1]
@@ -590,7 +591,9 @@ def rl_round_row(number, runs, walls, oracle):
                       f"{walls['none'] / walls['drafting']:.2f}x; "
                       f"rollout phase (tune + rollout) {rollout_phase[0]:.1f} s vs {rollout_phase[1]:.1f} s: "
                       f"{gain:.2f}x (the per-band oracle {oracle:.2f}x: auto has {(gain - 1) / (oracle - 1):.0%} of its "
-                      f"gain); step {step[0]:.1f} s vs {step[1]:.1f} s; reward {drafting[-1]['reward_mean']:.3f} vs "
+                      f"gain); step {step[0]:.1f} s vs {step[1]:.1f} s; train phase {train[0]:.1f} s vs {train[1]:.1f} s "
+                      f"({train[1] / train[0]:.2f}x: like work, the same prompts and about as many tokens, so far off "
+                      f"1.00 is the machine's drift between the two runs); reward {drafting[-1]['reward_mean']:.3f} vs "
                       f"{none[-1]['reward_mean']:.3f} at the last step; held-out accuracy "
                       + " -> ".join(f"{r['eval_accuracy']:.2f}" for r in drafting if "eval_accuracy" in r) + " vs "
                       + " -> ".join(f"{r['eval_accuracy']:.2f}" for r in none if "eval_accuracy" in r)
