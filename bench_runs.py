@@ -487,10 +487,11 @@ def rl_tuner_replay(none, fixed_runs, seeds=REPLAY_SEEDS):
     runs = {draft_tuner.PLAIN: plain, 0: [(bands, REPLAY_K0_COST) for bands, _ in plain]}
     runs.update({k: [(r["bands"], 1.0) for r in records if r.get("bands")] for k, records in enumerate(fixed_runs, 1)})
     labels = [spec_config.band_label(band) for band in range(len(spec_config.BAND_EDGES))]
-    pooled = {k: [sum(b[label]["tokens"] for b, _ in rows if label in b) /
-                  sum(b[label]["seconds"] * cost for b, cost in rows if label in b)
-                  if any(label in b for b, _ in rows) else None for label in labels] for k, rows in runs.items()}
-    tokens = [sum(b[label]["tokens"] for b, _ in plain if label in b) / len(plain) for label in labels]
+    band_totals = {draft_tuner.PLAIN: rl_band_totals(none), 0: rl_band_totals(none),
+                   **{k: rl_band_totals(records) for k, records in enumerate(fixed_runs, 1)}}
+    pooled = {k: [totals[label][0] / (totals[label][1] * (REPLAY_K0_COST if k == 0 else 1.0)) if label in totals
+                  else None for label in labels] for k, totals in band_totals.items()}
+    tokens = [band_totals[draft_tuner.PLAIN].get(label, (0, 0.0))[0] / len(plain) for label in labels]
 
     def seconds(schedule):
         return sum(count / (pooled[draft_tuner.PLAIN if schedule is None else schedule[band]][band] or 1.0)
