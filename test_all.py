@@ -6189,7 +6189,7 @@ def _moe_routing_replay(checkpoint):
     samples, _, _ = rollout.rollout(engine, tokenizer, examples, rollout.sampling_params(4, 1.0, 12, True), 1, 0,
                                     recorder=recorder)
     for sample in samples:
-        sample["advantages"] = 0.0
+        sample["advantages"] = torch.zeros(len(sample["response_ids"]))
     input_ids, seqlens, loss_mask, _, rollout_logprobs, _ = trainer.pack_micro_batch(samples, torch.device("cpu"))
     routed = trainer.packed_routing(samples, torch.device("cpu"))
 
@@ -6420,6 +6420,27 @@ def _rollout_prompt_ids(checkpoint, data):
 # ---------------------------------------------------------------------------------------
 # trainer: the train phase: DDP + Adam, packed micro-batches, GRPO loss, metric sums
 # ---------------------------------------------------------------------------------------
+
+
+def test_trainer_pack_micro_batch_puts_each_field_at_the_positions_predicting_response_tokens():
+    # Two sequences: prompt [1, 2, 3] + response [4, 5], prompt [6] + response [7, 8, 9];
+    # position i predicts token i + 1, so the fields sit at 2, 3 and 5, 6, 7.
+    samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "advantages": torch.tensor([0.5, 0.25]),
+                "rollout_logprobs": [-1.0, -2.0], "old_logprobs": torch.tensor([-1.5, -2.5])},
+               {"prompt_ids": [6], "response_ids": [7, 8, 9], "advantages": torch.tensor([-1.0, -1.0, -1.0]),
+                "rollout_logprobs": [-0.125, -0.25, -0.5], "old_logprobs": torch.tensor([-0.5, -1.0, -2.0]),
+                "in_loss": False}]
+    input_ids, seqlens, loss_mask, advantages, rollout_logprobs, old_logprobs = trainer.pack_micro_batch(
+        samples, torch.device("cpu"))
+    assert input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9] and seqlens.tolist() == [5, 4]
+    assert loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert advantages.tolist() == [0, 0, 0.5, 0.25, 0, -1, -1, -1, 0]
+    assert rollout_logprobs.tolist() == [0, 0, -1, -2, 0, -0.125, -0.25, -0.5, 0]
+    assert old_logprobs.tolist() == [0, 0, -1.5, -2.5, 0, -0.5, -1, -2, 0]
+    assert all(t.dtype == torch.float32 for t in (loss_mask, advantages, rollout_logprobs, old_logprobs))
+    for sample in samples:
+        del sample["old_logprobs"]
+    assert trainer.pack_micro_batch(samples, torch.device("cpu"))[5] is None
 
 
 def test_trainer_clip_acts_only_with_several_optimizer_steps_per_batch(tiny_checkpoint):

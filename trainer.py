@@ -229,25 +229,33 @@ def pack_micro_batch(samples, device):
     """Samples -> packed tensors on `device`: input_ids [T] int64, seqlens [B] int64, and
     loss_mask, advantages, rollout_logprobs, old_logprobs [T] fp32, each at the position
     that predicts its response token (position i predicts token i + 1); old_logprobs is
-    None until `record_old_logprobs` has set them. A sample with "in_loss" False (a
-    truncated completion under --overlong-filter) has loss_mask 0."""
+    None until `record_old_logprobs` has set them. A sample's "advantages" and
+    "old_logprobs" are [response] tensors, its "rollout_logprobs" a list of floats; one
+    with "in_loss" False (a truncated completion under --overlong-filter) has loss_mask 0."""
     sequences = [s["prompt_ids"] + s["response_ids"] for s in samples]
     seqlens = torch.tensor([len(ids) for ids in sequences])
     input_ids = torch.tensor([token for ids in sequences for token in ids])
-    with_old = "old_logprobs" in samples[0]
-    loss_mask, advantages, rollout_logprobs, old_logprobs = (torch.zeros(len(input_ids)) for _ in range(4))
-    offset = 0
-    for sample, length in zip(samples, seqlens.tolist()):
-        first, last = offset + len(sample["prompt_ids"]) - 1, offset + length - 1
-        loss_mask[first:last] = float(sample.get("in_loss", True))
-        advantages[first:last] = sample["advantages"]
-        rollout_logprobs[first:last] = torch.tensor(sample["rollout_logprobs"])
-        if with_old:
-            old_logprobs[first:last] = sample["old_logprobs"]
-        offset += length
+    # The slots that predict response tokens, from each sequence's last prompt token on:
+    # every per-token field is one scatter into them (not a slice per sample).
+    slots, offset = [], 0
+    for sample, ids in zip(samples, sequences):
+        first = offset + len(sample["prompt_ids"]) - 1
+        slots.extend(range(first, first + len(sample["response_ids"])))
+        offset += len(ids)
+    slots = torch.tensor(slots, dtype=torch.long)
+
+    def at_slots(values):
+        packed = torch.zeros(len(input_ids))
+        packed[slots] = values.to(packed.dtype)
+        return packed
+
+    loss_mask = at_slots(torch.tensor([float(s.get("in_loss", True)) for s in samples for _ in s["response_ids"]]))
+    advantages = at_slots(torch.cat([s["advantages"] for s in samples]))
+    rollout_logprobs = at_slots(torch.tensor([logprob for s in samples for logprob in s["rollout_logprobs"]]))
+    old_logprobs = at_slots(torch.cat([s["old_logprobs"] for s in samples])) if "old_logprobs" in samples[0] else None
     # Built on the host, moved once.
     packed = [tensor.to(device) for tensor in (input_ids, seqlens, loss_mask, advantages, rollout_logprobs)]
-    return packed + [old_logprobs.to(device) if with_old else None]
+    return packed + [None if old_logprobs is None else old_logprobs.to(device)]
 
 
 def packed_routing(samples, device):
