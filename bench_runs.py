@@ -210,8 +210,9 @@ def seeded_params(count, rollout):
 
 
 def auto_draft_tokens(fixed, dynamic, dynamic_meter, prompts):
-    """auto as train_grpo runs it (draft_tuner's plan and after_rollout): an acceptance check
-    at the deepest k, then rollouts at the variant the tuner names until it settles; returns
+    """auto as train_grpo runs it (draft_tuner's plan and after_rollout): rollouts at the
+    variant the tuner names until it settles (its first tries measure the acceptance, the
+    check is for later); returns
     (the k it settles on at this concurrency, which `dynamic` is left set to, its draft
     layer idle where no band drafts; each try's variant at this concurrency in order,
     "plain" or a k; the tuner)."""

@@ -95,8 +95,10 @@ class DraftTuner:
     runs, nothing is drafted), k = 1 and the deepest k that could pay in every band: where
     a verify step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at
     least 1 + margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x
-    MIN_DRAFT_COST). Nothing is tried where no k could pay (a random draft). A band's speed
-    at each is the mean over its tries.
+    MIN_DRAFT_COST). Nothing is tried where no k could pay (a random draft). A run's first
+    tries begin before any acceptance is known (no check rollout of their own): their k = 1
+    try measures A_1, and the deepest k is settled from it, deeper depths as A_1^i (none
+    past k = 1 where none could pay). A band's speed at each is the mean over its tries.
 
     The choice (`choose`, after the tries), per band, from a cost model (`draft_costs`): a
     verify step at k costs a k = 0 step, plus what drafting at all adds (the verify path,
@@ -129,7 +131,7 @@ class DraftTuner:
         self.acceptance = [0.0] * max_tokens  # [A_1, ..., A_max]
         self.tried_tokens_per_step = None  # 1 + A_1 + ... + A_max when the tries ended (began, while they run)
         self.trying = False  # whether the tries are under way
-        self.deepest = 0  # the deepest k that could pay when the tries began
+        self.deepest = 0  # the deepest k that could pay when the tries began (None: not settled yet)
         self.tried = []  # each try's schedule so far (None: PLAIN), in order
         self.realized = {}  # variant -> [each band's tries' tokens/s]
         self.band_tokens = [0] * num_bands  # tokens the tries decoded in each band
@@ -173,19 +175,33 @@ class DraftTuner:
             self.acceptance[depth] = self.acceptance[depth - 1] * conditional
 
     def try_each(self):
-        """Begin the tries (the class docstring) at the current acceptance: PLAIN, k = 0 and
-        the deepest k that could pay (none where no drafting k could: then PLAIN without
-        tries)."""
-        paying = [k for k in range(1, self.max_tokens + 1)
-                  if self.tokens_per_step(k) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)]
-        self.deepest = max(paying, default=0)
-        self.trying = bool(paying)
+        """Begin the tries (the class docstring) at the current acceptance: PLAIN, k = 0, k = 1
+        and the deepest k that could pay (none where no drafting k could: then PLAIN without
+        tries). Where the engine never measured the acceptance (a run's first tries), all
+        four begin, and the deepest k is settled once the k = 1 try measured A_1
+        (`_settle_deepest`)."""
+        unmeasured = self.measured is None
+        self.deepest = None if unmeasured else self._deepest_paying(self.acceptance)
+        self.trying = unmeasured or self.deepest > 0
         self.tried = []
-        self.realized = {variant: [[] for _ in range(self.num_bands)] for variant in (PLAIN, 0, 1, self.deepest)} \
-            if paying else {}
+        self.realized = {variant: [[] for _ in range(self.num_bands)]
+                         for variant in (PLAIN, 0, 1, self.deepest or 1)} if self.trying else {}
         self.band_tokens = [0] * self.num_bands
         self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
         self.tried_acceptance = None
+
+    def _deepest_paying(self, acceptance):
+        """The deepest k whose verify step's tokens at `acceptance` are at least 1 + margin
+        times its cost with each draft at MIN_DRAFT_COST of a step; 0 where none are."""
+        return max((k for k in range(1, self.max_tokens + 1)
+                    if self.tokens_per_step(k, acceptance) >= (1 + self.margin) * (1 + k * MIN_DRAFT_COST)), default=0)
+
+    def _settle_deepest(self):
+        """The first tries' deepest k, after their k = 1 try: the deepest that could pay with
+        each depth past the first accepted as often as the first, given the ones before
+        (A_i = A_1^i; the deepest try then measures them). 1 or 0 where none deeper could:
+        the tries end there."""
+        self.deepest = self._deepest_paying([self.acceptance[0] ** depth for depth in range(1, self.max_tokens + 1)])
 
     def exploring(self):
         """Whether the next rollouts are tries (at the schedule `choose` names, for `record`)."""
@@ -216,6 +232,8 @@ class DraftTuner:
             self.realized.setdefault(variant, [[] for _ in range(self.num_bands)])[band].append(tokens / seconds)
             self.band_tokens[band] += tokens
         self.tried.append(schedule)
+        if self.deepest is None and schedule == [1] * self.num_bands:
+            self._settle_deepest()
         if len(self.tried) >= len(self._try_order()) * self.rounds:
             self.trying = False
             self.tried_tokens_per_step = self.tokens_per_step(self.max_tokens)
@@ -227,8 +245,10 @@ class DraftTuner:
         return order[len(self.tried) % len(order)]
 
     def _try_order(self):
-        """PLAIN, k = 0 everywhere, k = 1 everywhere and, where deeper, the deepest k everywhere."""
-        return [None] + [[k] * self.num_bands for k in sorted({0, 1, self.deepest})]
+        """PLAIN, k = 0 everywhere, k = 1 everywhere and, where deeper, the deepest k everywhere
+        (max_tokens while it is not settled)."""
+        deepest = self.max_tokens if self.deepest is None else self.deepest
+        return [None] + [[k] * self.num_bands for k in sorted({0, 1, deepest})]
 
     def band_speeds(self, variant):
         """[each band's mean tried tokens/s at `variant`, None where it ran no step]."""
@@ -312,17 +332,17 @@ class DraftTuner:
         """Before rollout `step` (1-based): returns (the rollout's schedule, None: the plain
         engine, else a k per band; the check's statistics or None).
 
-        Outside the tries: while the last rollout did not draft (`drafting` False), at a
-        run's first plan and, without the trainer's estimates, every `check_every` steps
-        `check()` measures the acceptance at the deepest k; at the first plan, every
-        `tune_every` steps and once the acceptance moved far, the tries begin
-        (`try_each`). `exploring()` after it says whether this rollout is a try
-        (`after_rollout` then needs its band counts).
+        Outside the tries: while the last rollout did not draft (`drafting` False) and the
+        trainer gives no estimates, every `check_every` steps `check()` measures the
+        acceptance at the deepest k (not at the first plan: the first tries measure it,
+        `try_each`); at the first plan, every `tune_every` steps and once the acceptance
+        moved far, the tries begin. `exploring()` after it says whether this rollout is a
+        try (`after_rollout` then needs its band counts).
         """
         checked = None
         first = self.tried_tokens_per_step is None
         if not self.exploring():
-            if not drafting and (first or (not self.estimated and (step - 1) % check_every == 0)):
+            if not drafting and not first and not self.estimated and (step - 1) % check_every == 0:
                 checked = check()
                 self.observe(checked)
             if first or ((step - 1) % tune_every == 0 or self.is_stale()) and self.could_pay:

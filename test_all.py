@@ -2027,9 +2027,11 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
 
 
 def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
-    """plan/after_rollout, as train_grpo and bench call them: the check runs at the first
-    step and every check_every steps while nothing drafts, the tries at the first step,
-    every tune_every steps and when stale; a try's band counts and a draft's acceptance go in."""
+    """plan/after_rollout, as train_grpo and bench call them: the first tries begin at the
+    first step with no check rollout of their own (their k = 1 try measures A_1 and settles
+    the deepest k), the check runs every check_every steps while nothing drafts and the
+    trainer gives no estimates, the tries again every tune_every steps and when stale; a
+    try's band counts and a draft's acceptance go in."""
     checks = []
 
     def check(by_depth):
@@ -2039,46 +2041,56 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
         return run
 
     tuner = draft_tuner.DraftTuner(max_tokens=1, num_bands=1)
-    # Step 1: a random draft, checked; nothing could pay, so nothing is tried.
-    assert tuner.plan(1, check([0.02]), check_every=5, tune_every=50, drafting=False) == (
-        None, _acceptance_statistics([0.02]))
-    assert not tuner.exploring() and checks == [[0.02]]
-    for step in range(2, 6):  # no check before step 6 (5 + 1), none while the tries are not due
-        assert tuner.plan(step, check([0.9]), 5, 50, drafting=False) == (None, None)
-        tuner.after_rollout(None, {0: (100, 1.0)}, None)
-    assert checks == [[0.02]]
-    # Step 6: checked again, the draft learnt: the acceptance moved far, the tries begin.
-    schedule, checked = tuner.plan(6, check([0.9]), 5, 50, drafting=False)
-    assert (schedule, checked["accepted_per_position"], tuner.exploring()) == (None, [90], True)
     seconds = {None: 1.0, 0: 1.1, 1: 0.6}
-    tried = []
-    for step in range(6, 11):
-        if step > 6:
-            schedule, checked = tuner.plan(step, check([0.0]), 5, 50, drafting=bool(schedule and any(schedule)))
-            assert checked is None  # no checks during the tries
+    tried, schedule = [], None
+    for step in range(1, 6):
+        schedule, checked = tuner.plan(step, check([0.0]), 5, 50, drafting=bool(schedule and any(schedule)))
+        assert checked is None  # none at the first plan, during the tries or while drafting
         tried.append(schedule)
         variant = schedule[0] if schedule else None
         tuner.after_rollout(schedule, {0: (100, seconds[variant])},
                             _acceptance_statistics([0.9]) if variant else None)
-    # The tries: PLAIN, k = 0, k = 1 (the deepest here), once each; k = 1 (0.6 s against
-    # 1.1 and PLAIN's 1.0) wins: the rollouts after draft at 1.
+    # The tries: PLAIN, k = 0, k = 1 (the deepest here), once each; k = 1 (0.6 s against 1.1
+    # and PLAIN's 1.0) wins: the rollouts after draft at 1.
     assert tried == [None, [0], [1], [1], [1]] and not tuner.exploring() and tuner.tried == [None, [0], [1]]
-    assert tuner.plan(11, check([0.0]), 5, 50, drafting=True) == ([1], None)  # drafting: no check at 11
+    assert checks == [] and tuner.plan(6, check([0.0]), 5, 50, drafting=True) == ([1], None)
     # A drafting rollout that finds the draft left behind stops drafting at the next plan.
     tuner.after_rollout([1], {0: (100, 0.6)}, _acceptance_statistics([0.05]))
-    assert tuner.plan(12, check([0.0]), 5, 50, drafting=True)[0] is None
+    assert tuner.plan(7, check([0.0]), 5, 50, drafting=True) == (None, None)
+    for step in range(8, 11):  # no check before step 11 (2 x 5 + 1)
+        tuner.after_rollout(None, {0: (100, 1.0)}, None)
+        assert tuner.plan(step, check([0.9]), 5, 50, drafting=False) == (None, None)
+    # Step 11: checked, the draft is back at 0.9: k = 1 drafts again, without new tries.
+    tuner.after_rollout(None, {0: (100, 1.0)}, None)
+    schedule, checked = tuner.plan(11, check([0.9]), 5, 50, drafting=False)
+    assert (schedule, checked["accepted_per_position"], tuner.exploring(), checks) == ([1], [90], False, [[0.9]])
+    # A fresh run's k = 1 try settles the deepest k, deeper depths as A_1^i: 0.6 measured
+    # tries 3 (1 + 0.6 + 0.36 + 0.216 tokens per step could pay), 0.1 stops at k = 1 (1.11
+    # tokens for at least 1.1 steps' cost at k = 2), 0.02 (a random draft) too, none deeper.
+    for depth1, deepest, order in ((0.6, 3, [None, [0], [1], [3]]), (0.1, 1, [None, [0], [1]]),
+                                   (0.02, 0, [None, [0], [1]])):
+        fresh, tried = draft_tuner.DraftTuner(max_tokens=3, num_bands=1), []
+        for step in range(1, 6):
+            schedule = fresh.plan(step, check([0.0]), 5, 50, drafting=False)[0]
+            if not fresh.exploring():
+                break
+            tried.append(schedule)
+            variant = schedule[0] if schedule else None
+            fresh.after_rollout(schedule, {0: (100, 1.0 if variant is None else 1.1)},
+                                _acceptance_statistics([depth1, 0.5, 0.25][:variant]) if variant else None)
+        assert (tried, fresh.deepest, schedule) == (order, deepest, None)
     assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(_acceptance_statistics([0.5, 0.25])) \
         == [0.5, 0.25]
 
 
 def test_draft_tuner_tries_read_the_last_trys_own_acceptance():
-    """The check before the tries (the warm start's weights) found depths 2 and 3 accepted
-    little; the tries' last rollout, at the deepest k, measured them far higher. Its speed
-    was at that acceptance, so the model reads it (`tried_acceptance`), and the rise it
-    measured is not news: the tries are not stale at once. Recorded before the acceptance
-    went in, the tail task's runs tried again 4 rollouts after their tries ended."""
+    """The k = 1 try measured A_1 alone (deeper depths unmeasured, capped by it); the tries'
+    last rollout, at the deepest k, measured them. Its speed was at that acceptance, so the
+    model reads it (`tried_acceptance`), and the rise it measured is not news: the tries
+    are not stale at once. Recorded before the acceptance went in, the tail task's runs
+    tried again 4 rollouts after their tries ended."""
     tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
-    tuner.plan(1, lambda: _acceptance_statistics([0.8, 0.3, 0.1]), 5, 50, drafting=False)
+    tuner.plan(1, lambda: pytest.fail("the first tries need no check"), 5, 50, drafting=False)
     seconds = {None: 1.0, 0: 1.05, 1: 0.7, 3: 0.45}
     for step in range(1, 5):
         schedule = tuner.choose() if step > 1 else None
@@ -2103,26 +2115,31 @@ def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_h
     tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
     tuner.observe_estimate(0.5)  # nothing measured yet: no conditionals to follow
     assert tuner.acceptance == [0.0, 0.0, 0.0]
-    tuner.plan(1, check, check_every=5, tune_every=50, drafting=False)
-    assert checks == [0] and tuner.acceptance == pytest.approx([0.8, 0.6, 0.3])
-    # Step 1's rollout (a try on the plain engine) did not draft: A_1 = 0.7, then x 0.75, x 0.5.
-    tuner.after_rollout(tuner.choose(), {0: (100, 1.0)}, None)
+    # The first tries (PLAIN, k = 0, 1, then the deepest, 3), each 10% slower than the plain
+    # engine: nothing drafts after. Before the k = 1 try nothing is measured, so the
+    # estimates change nothing; each drafting try's counts stand.
+    measured = {1: [0.8], 3: [0.8, 0.6, 0.3]}
+    after = [[0.0] * 3, [0.0] * 3, [0.8, 0.0, 0.0], [0.8, 0.6, 0.3]]  # deeper depths capped by the deepest measured
+    for step, variant in zip(range(1, 5), [None, 0, 1, 3]):
+        schedule, checked = tuner.plan(step, check, 5, 50, drafting=False)
+        assert schedule == (None if variant is None else [variant]) and checked is None
+        tuner.after_rollout(schedule, {0: (100, 1.0 if variant is None else 1.1)},
+                            _acceptance_statistics(measured[variant]) if variant else None)
+        tuner.observe_estimate(0.6)
+        assert tuner.acceptance == pytest.approx(after[step - 1])
+    assert not tuner.exploring()
+    assert tuner.plan(6, check, 5, 50, drafting=False) == (None, None)
+    assert checks == []  # step 6 would have checked without the estimates
+    # The plain engine's rollout did not draft: A_1 = 0.7, then x 0.75, x 0.5.
+    tuner.after_rollout(None, {0: (100, 1.0)}, None)
     tuner.observe_estimate(0.7)
     assert tuner.acceptance == pytest.approx([0.7, 0.525, 0.2625])
     tuner.observe_estimate(None)  # a step without an estimate changes nothing
     assert tuner.acceptance == pytest.approx([0.7, 0.525, 0.2625])
-    # The rest of the tries (k = 0, 1, then the deepest, 3), each 10% slower than the plain
-    # engine: nothing drafts after.
-    for step, variant in zip(range(2, 5), [0, 1, 3]):
-        schedule, checked = tuner.plan(step, check, 5, 50, drafting=False)
-        assert schedule == [variant] and checked is None
-        tuner.after_rollout(schedule, {0: (100, 1.1)},
-                            _acceptance_statistics([0.9, 0.45, 0.45][:variant]) if variant else None)
-        tuner.observe_estimate(0.6)
-    # k = 3's rollout drafted: its counts stand, the estimate after it changes nothing.
-    assert tuner.acceptance == pytest.approx([0.9, 0.45, 0.45]) and not tuner.exploring()
-    assert tuner.plan(6, check, 5, 50, drafting=False) == (None, None)
-    assert checks == [0]  # step 6 would have checked without the estimates
+    # A drafting rollout's counts stand; the estimate after it changes nothing.
+    tuner.after_rollout([3], {0: (100, 1.0)}, _acceptance_statistics([0.9, 0.45, 0.45]))
+    tuner.observe_estimate(0.6)
+    assert tuner.acceptance == pytest.approx([0.9, 0.45, 0.45])
     # The plain engine's rollout: the estimate leads, the conditionals 0.5 and 1 follow.
     tuner.after_rollout(None, {0: (100, 1.0)}, None)
     tuner.observe_estimate(0.96)
@@ -2133,13 +2150,14 @@ def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_h
     with pytest.raises(ValueError, match="without \\['measured', 'drafted', 'estimated'\\]"):
         restored.load_state_dict({name: value for name, value in tuner.state_dict().items()
                                   if name not in ("measured", "drafted", "estimated")})
-    # Without estimates (sampled-token MTP targets) the checks go on every check_every steps.
+    # Without estimates (sampled-token MTP targets) the checks go on every check_every steps
+    # after the first tries: at steps 6, 11 and 16.
     unestimated = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
-    unestimated.plan(1, check, 5, 50, drafting=False)
-    for step in range(2, 7):
-        schedule = unestimated.choose()
-        unestimated.after_rollout(schedule, {0: (100, 1.0 if schedule is None else 2.0)}, None)
-        unestimated.plan(step, check, 5, 50, drafting=False)
+    for step in range(1, 17):
+        schedule, _ = unestimated.plan(step, check, 5, 50, drafting=False)
+        variant = schedule[0] if schedule else None
+        unestimated.after_rollout(schedule, {0: (100, 1.0 if schedule is None else 2.0)},
+                                  _acceptance_statistics(measured[variant]) if variant else None)
     assert checks == [0, 1, 2]
 
 
@@ -7716,34 +7734,26 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
         # letter_a gives a fraction in [0, 1]; per-character credit would give multiples of 1/3.
         assert 0 <= record["reward_mean"] <= 1 and 0 <= record["eval_reward_mean"] <= 1
         assert 0 <= record["eval_accuracy"] <= 1 and record["eval_response_length"] == 3
-    # --num-speculative-tokens auto (the default): step 1 measured the random head's
-    # acceptance at every depth. Its drafts are sampled, and a random head's distribution is
-    # as near uniform as the random policy's, so most are accepted (a greedy draft would be
-    # 1 in 128): every k could pay and the tries began, the plain engine at step 1, the
-    # drafting engine at k = 0 at step 2; nothing drafted yet.
+    # --num-speculative-tokens auto (the default): the first tries begin at step 1 with no
+    # check rollout, the plain engine at step 1, the drafting engine at k = 0 at step 2;
+    # nothing drafted yet, nothing measured: the deepest k waits for the k = 1 try.
     first, second = records
-    assert first["tune_s"] > 0 and len(first["check_acceptance_by_depth"]) == 3
-    assert first["check_acceptance_by_depth"][0] > 0.5 and "check_acceptance_by_depth" not in second
+    assert "check_acceptance_by_depth" not in first and "check_acceptance_by_depth" not in second
     assert first["draft_schedule"] is None and second["draft_schedule"] == [0] * len(spec_config.BAND_EDGES)
     for record in records:
         assert record["draft_tokens"] == 0 and record["acceptance_rate"] is None and "tried_band_speeds" in record
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
-    assert tuner["max_tokens"] == 3 and tuner["measured"] == pytest.approx(first["check_acceptance_by_depth"])
     bands = len(spec_config.BAND_EDGES)
-    assert tuner["deepest"] == 3 and tuner["tried"] == [None, [0] * bands]
-    # Still trying: k = 1 and 3 are to come, whatever PLAIN and k = 0 measured.
-    assert tuner["trying"] and tuner["tried_acceptance"] is None
-    # The trainer's estimates (no check at step 2, none due until step 6): after step 2's
-    # rollout, which did not draft, A_1 is step 2's estimate and the deeper A_i follow the
-    # check's conditional acceptances.
+    assert tuner["max_tokens"] == 3 and tuner["deepest"] is None and tuner["tried"] == [None, [0] * bands]
+    # Still trying: k = 1 and the deepest it settles are to come, whatever PLAIN and k = 0 measured.
+    assert tuner["trying"] and tuner["tried_acceptance"] is None and tuner["measured"] is None
+    # The trainer estimates A_1 every step (its drafts are sampled, and a random head's
+    # distribution is as near uniform as the random policy's: most would be accepted);
+    # with no engine measurement yet there are no conditionals for the deeper depths to
+    # follow, so the acceptance waits for the k = 1 try.
     assert 0.5 < first["mtp_acceptance"] < 1 and 0.5 < second["mtp_acceptance"] < 1
-    assert tuner["estimated"] and not tuner["drafted"]
-    measured = tuner["measured"]
-    assert tuner["acceptance"] == pytest.approx([second["mtp_acceptance"],
-                                                 second["mtp_acceptance"] * min(1, measured[1] / measured[0]),
-                                                 second["mtp_acceptance"] * min(1, measured[1] / measured[0])
-                                                 * min(1, measured[2] / measured[1])])
+    assert tuner["estimated"] and not tuner["drafted"] and tuner["acceptance"] == [0.0, 0.0, 0.0]
 
 
 def _write_draft_friendly_checkpoint(checkpoint, out_dir):
@@ -7751,18 +7761,19 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
 
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
-    # A draft that is nearly always right: step 1's check finds k = 1 could pay, so steps
-    # 1-3 try the plain engine, then the drafting one at k = 0 and at k = 1 (the deepest
-    # here) in every band of batch sizes; then the rollouts run as the tries' cost model
-    # says, at the acceptance since.
+    # A draft that is nearly always right: steps 1-3 try the plain engine, then the
+    # drafting one at k = 0 and at k = 1 (the deepest here) in every band of batch sizes,
+    # with no check rollout before them (the k = 1 try measures the acceptance); then the
+    # rollouts run as the tries' cost model says, at the acceptance since.
     model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
     records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "10", "--prompts-per-step", "4",
                         "--eval-every", "10", "--save-every", "9", "--max-speculative-tokens", "1")
-    assert records[0]["check_acceptance_by_depth"][0] > 0.3
+    assert not any("check_acceptance_by_depth" in record for record in records[:3])
     bands = len(spec_config.BAND_EDGES)
     count = sum("tried_band_speeds" in record for record in records)
     tries = records[:count]
     assert count == 3 and [r["draft_schedule"] for r in tries] == [None, [0] * bands, [1] * bands]
+    assert tries[2]["acceptance_rate"] > 0.3
     for record in tries:
         schedule = record["draft_schedule"]
         assert (record["acceptance_rate"] is not None) == bool(schedule and any(schedule))
