@@ -26,8 +26,8 @@ import spec_config
 import tasks
 import tiny_model
 import trainer
-from megatron_model import (SUPPORTED_ARCHITECTURES, load_hf_config, model_family, mtp_layer_count, transformer_config,
-                            transformer_engine_usable, unsupported_fields)
+from hf_families import SUPPORTED_ARCHITECTURES, load_hf_config, model_family, mtp_layer_count, unsupported_fields
+from megatron_model import transformer_config, transformer_engine_usable
 
 
 def builtin_model(args):

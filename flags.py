@@ -33,7 +33,8 @@ import run_configs
 import tasks
 import tiny_model
 import trainer
-from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR, mtp_layer_count
+from hf_families import mtp_layer_count
+from megatron_model import DEFAULT_MTP_LOSS_SCALING_FACTOR
 
 DEFAULT_MAX_POSITIONS = 4096
 # DAPO's dynamic sampling: how many rollouts a step may take to fill its batch by default.

@@ -48,6 +48,7 @@ import flags
 import forward
 import grpo_loss
 import hf_export
+import hf_families
 import hf_weights
 import launch
 import megatron_model
@@ -576,7 +577,7 @@ def _transformers_logprobs(checkpoint, input_ids, seqlens, temperature):
     from transformers import AutoModelForCausalLM
     transformers.logging.set_verbosity_error()
     # MiMo's published model_type "mimo" has no transformers class: its trunk is Qwen2's.
-    model_class = (transformers.Qwen2ForCausalLM if megatron_model.load_hf_config(checkpoint)["model_type"] == "mimo"
+    model_class = (transformers.Qwen2ForCausalLM if hf_families.load_hf_config(checkpoint)["model_type"] == "mimo"
                    else AutoModelForCausalLM)
     model, loading = model_class.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
     assert not loading["missing_keys"], f"transformers found no {sorted(loading['missing_keys'])} in {checkpoint}"
@@ -643,7 +644,7 @@ def _moe_layouts(checkpoint):
     # TP 2 with each piece of its sequence-parallel layout broken: the partial gradients
     # not summed over TP, and megatron's column-parallel MLA down projections.
     results["tp 2, partial sums left"] = _moe_forward_backward(checkpoint, 2, 1, 1, sum_partial_grads=False)
-    if "kv_lora_rank" in megatron_model.load_hf_config(checkpoint):
+    if "kv_lora_rank" in hf_families.load_hf_config(checkpoint):
         original, megatron_model.MLA_DOWN_PROJECTIONS = megatron_model.MLA_DOWN_PROJECTIONS, ()
         try:
             results["tp 2, column-parallel MLA"] = _moe_forward_backward(checkpoint, 2, 1, 1)
@@ -908,7 +909,7 @@ def _qwen35_layouts(checkpoint):
     finally:
         gdn_thd.copy_to_tensor_model_parallel_region = original
     results["partial norm gradient"] = model.decoder.layers[0].self_attention.out_norm.weight.grad.clone()
-    hf_config = megatron_model.load_hf_config(checkpoint)
+    hf_config = hf_families.load_hf_config(checkpoint)
     results["cp refusal"] = str(_raises(lambda: transformer_config(hf_config, context_parallel=2)))
     results["mtp refusal"] = str(_raises(lambda: transformer_config({**hf_config, "mtp_num_hidden_layers": 2})))
     if torch.distributed.get_rank() == 0:
@@ -2464,6 +2465,35 @@ def test_gdn_thd_packed_equals_each_sequence_alone_and_ignoring_boundaries_fails
     torch.testing.assert_close(results["boundaries ignored"][0][:first], alone[:first], rtol=0, atol=PACKED_TOLERANCE)
     assert (results["boundaries ignored"][0][first:] - alone[first:]).abs().max() > 1e-3
     assert "shared-prefix layout" in results["shared prefix refusal"]
+
+
+# ---------------------------------------------------------------------------------------
+# hf_families: the HF MTP checkpoints built: architecture -> family, the MTP layers a config declares, the fields
+# ---------------------------------------------------------------------------------------
+
+
+def test_hf_families_reads_each_family_its_mtp_layers_and_the_config_wherever_it_is(tmp_path):
+    configs = {name: tiny_model.builtin_config(name)[1] for name in ("tiny", "deepseek", "glm", "qwen3.5")}
+    assert {name: hf_families.model_family(config) for name, config in configs.items()} == {
+        "tiny": "mimo", "deepseek": "deepseek", "glm": "glm", "qwen3.5": "qwen3.5"}
+    # num_nextn_predict_layers (MiMo, DeepSeek-V3, GLM), else Qwen3.5's mtp_num_hidden_layers, else none.
+    assert [hf_families.mtp_layer_count(config) for config in configs.values()] == [1, 1, 1, 1]
+    assert hf_families.mtp_layer_count(tiny_model.mimo_config(num_mtp_layers=3)) == 3
+    assert hf_families.mtp_layer_count(tiny_model.qwen35_config(num_mtp_layers=2)) == 2
+    assert hf_families.mtp_layer_count({"architectures": ["MiMoForCausalLM"]}) == 0
+    # A dict as it is, a directory's config.json, the file itself; a directory without one named.
+    (tmp_path / "config.json").write_text(json.dumps(configs["glm"]))
+    assert hf_families.load_hf_config(configs["glm"]) is configs["glm"]
+    assert hf_families.load_hf_config(str(tmp_path)) == hf_families.load_hf_config(str(tmp_path / "config.json")) \
+        == configs["glm"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"no config.json at '{tmp_path / 'empty' / 'config.json'}': expected "
+                                                "a Hugging Face checkpoint directory"):
+        hf_families.load_hf_config(str(tmp_path / "empty"))
+    assert hf_families.unsupported_fields(configs["tiny"]) == []
+    with pytest.raises(ValueError, match="config.json has fields this project does not implement:\n  "
+                                         "hidden_act='gelu': this project builds SwiGLU with silu; expected 'silu'"):
+        hf_families.refuse_unsupported_fields({**configs["tiny"], "hidden_act": "gelu"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -4959,7 +4989,8 @@ def test_megatron_model_gpt_with_mtp_runs_at_tensor_parallel_2(tiny_checkpoint):
 
 
 def test_megatron_model_names_the_families_it_builds_and_refuses_bad_moe_layouts():
-    from megatron_model import model_family, transformer_config
+    from hf_families import model_family
+    from megatron_model import transformer_config
     assert [model_family(tiny_model.builtin_config(name)[1]) for name in ("tiny", "deepseek", "glm")] == [
         "mimo", "deepseek", "glm"]
     with pytest.raises(ValueError, match="LlamaForCausalLM is not one this project builds; expected MiMoForCausalLM, "
@@ -4981,7 +5012,8 @@ def test_megatron_model_names_the_families_it_builds_and_refuses_bad_moe_layouts
 
 
 def test_megatron_model_refuses_each_published_field_it_does_not_implement_by_name(tmp_path):
-    from megatron_model import transformer_config, unsupported_fields
+    from hf_families import unsupported_fields
+    from megatron_model import transformer_config
     # Every field of the four published configs is read, inert or checked: none refused.
     assert {name: unsupported_fields(tiny_model.published_config(name)) for name in PUBLISHED} == {
         "mimo-7b-rl": [], "glm-4.5-air": [], "glm-4.6": [], "deepseek-v3": []}
@@ -5164,7 +5196,7 @@ def _moe_uneven_ranks(checkpoint, tp):
     from megatron_model import build_gpt_model
     cpu_backend.init_distributed()
     mtp_patch.patch_megatron_mtp()
-    config = megatron_model.load_hf_config(checkpoint)
+    config = hf_families.load_hf_config(checkpoint)
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
     packs = [_uneven_pack(seqlens, moe_layers, config["num_experts_per_tok"], config["n_routed_experts"], seed)
              for seed, seqlens in enumerate(UNEVEN_PACK_SEQLENS)]
@@ -5254,7 +5286,7 @@ def test_megatron_model_deepseek_yarn_matches_transformers_past_the_original_con
 @pytest.mark.parametrize("published", PUBLISHED)
 def test_megatron_model_published_configs_match_transformers_at_tp_1_and_2(published_checkpoints, published):
     ranks = _published_results(tuple(published_checkpoints.items()))
-    config = megatron_model.load_hf_config(published_checkpoints[published])
+    config = hf_families.load_hf_config(published_checkpoints[published])
     reference, mask = ranks[0][published, 1], ranks[0][published, 1]["loss_mask"] > 0
     differences = (reference["logprobs"] - ranks[0][published, "transformers"])[mask].abs()
     print(f"{published}: Megatron vs transformers log-probs of {int(mask.sum())} tokens: max {differences.max():.2e}; "
@@ -5277,8 +5309,8 @@ DECAY_GRADIENT_TOLERANCE = 1e-3  # relative, TP 2 against TP 1: see its test
 def test_megatron_model_qwen35_matches_transformers_packed_at_tp_1_and_2_and_refuses_cp(qwen35_tiny):
     # Every field of the published text config is read or inert; the 9B trunk's pattern and heads.
     published = tiny_model.QWEN35_9B_TEXT
-    assert megatron_model.unsupported_fields(published) == []
-    assert megatron_model.unsupported_fields({**published, "attn_output_gate": False}) == [
+    assert hf_families.unsupported_fields(published) == []
+    assert hf_families.unsupported_fields({**published, "attn_output_gate": False}) == [
         "attn_output_gate=False: this project builds Qwen3.5's gated full attention, the one transformers and vLLM "
         "build; expected True"]
     config = megatron_model.transformer_config(published)
@@ -7572,11 +7604,11 @@ def test_train_grpo_published_configs_train_with_drafting(tmp_path, model, tenso
     # final/ loads in transformers' own class (MiMo's "mimo" is its remote code's: a Qwen2 trunk).
     model_class = transformers.Qwen2ForCausalLM if not moe else transformers.AutoModelForCausalLM
     exported = model_class.from_pretrained(os.path.join(out, "final"))
-    assert type(exported).__name__ == ("Qwen2ForCausalLM" if not moe else megatron_model.load_hf_config(
+    assert type(exported).__name__ == ("Qwen2ForCausalLM" if not moe else hf_families.load_hf_config(
         os.path.join(out, "final"))["architectures"][0])
     # Never quantized on the way out: the trainer's fp32 tensors, config.json without quantization_config.
     assert {tensor.dtype for tensor in _final_weights(out).values()} == {torch.float32}
-    assert "quantization_config" not in megatron_model.load_hf_config(os.path.join(out, "final"))
+    assert "quantization_config" not in hf_families.load_hf_config(os.path.join(out, "final"))
 
 
 def _final_weights(out):
