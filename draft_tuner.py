@@ -333,16 +333,20 @@ class DraftTuner:
         engine, else a k per band; the check's statistics or None).
 
         Outside the tries: while the last rollout did not draft (`drafting` False) and the
-        trainer gives no estimates, every `check_every` steps `check()` measures the
-        acceptance at the deepest k (not at the first plan: the first tries measure it,
-        `try_each`); at the first plan, every `tune_every` steps and once the acceptance
-        moved far, the tries begin. `exploring()` after it says whether this rollout is a
-        try (`after_rollout` then needs its band counts).
+        trainer gives no estimates (or the engine never measured the acceptance), every
+        `check_every` steps `check()` measures the acceptance at the deepest k (not at the
+        first plan: the first tries measure it, `try_each`); at the first plan, every
+        `tune_every` steps and once the acceptance moved far, the tries begin.
+        `exploring()` after it says whether this rollout is a try (`after_rollout` then
+        needs its band counts).
         """
         checked = None
         first = self.tried_tokens_per_step is None
         if not self.exploring():
-            if not drafting and not first and not self.estimated and (step - 1) % check_every == 0:
+            # Estimates need one measurement to follow (observe_estimate): until the engine
+            # measured the acceptance (a k = 1 try that verified nothing), checks go on.
+            unmeasured = self.measured is None
+            if not drafting and not first and (unmeasured or not self.estimated) and (step - 1) % check_every == 0:
                 checked = check()
                 self.observe(checked)
             if first or ((step - 1) % tune_every == 0 or self.is_stale()) and self.could_pay:

@@ -2080,6 +2080,20 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
             fresh.after_rollout(schedule, {0: (100, 1.0 if variant is None else 1.1)},
                                 _acceptance_statistics([depth1, 0.5, 0.25][:variant]) if variant else None)
         assert (tried, fresh.deepest, schedule) == (order, deepest, None)
+    # A k = 1 try that verified nothing (every sequence ended at its first token) leaves the
+    # acceptance unmeasured and the deepest k at 0: the trainer's estimates have no
+    # conditionals to follow, so the checks go on (step 6) and what they find re-opens the
+    # tries, to k = 3. Without them the run stayed on the plain engine to its end.
+    blind = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
+    for step in range(1, 6):
+        schedule, checked = blind.plan(step, check([0.0]), 5, 50, drafting=False)
+        assert checked is None
+        blind.after_rollout(schedule, {0: (100, 1.1 if schedule else 1.0)}, None)
+        blind.observe_estimate(0.8)
+    assert blind.tried == [None, [0], [1]] and blind.deepest == 0 and blind.acceptance == [0.0, 0.0, 0.0]
+    schedule, checked = blind.plan(6, check([0.8, 0.6, 0.4]), 5, 50, drafting=False)
+    assert checked["accepted_per_position"] == [80, 60, 40] and blind.acceptance == pytest.approx([0.8, 0.6, 0.4])
+    assert (schedule, blind.exploring(), blind.deepest) == (None, True, 3)
     assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(_acceptance_statistics([0.5, 0.25])) \
         == [0.5, 0.25]
 
