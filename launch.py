@@ -233,7 +233,7 @@ def start(settings, config, data, reward, resume_dir, examples, held_out, stop, 
     # A step allocates hundreds of thousands of short-lived objects and keeps few: at
     # Python's default threshold (700) the young generation is collected about ten times a
     # step for nearly nothing. A larger one collects it rarely; each older generation is
-    # collected every 20 collections of the one before, so a long run's cyclic garbage is.
+    # collected every 20 collections of the one before: a long run's cycles still go.
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
     gc.enable()
     return Run(s, rank, world_size, device, tokenizer, credit, policy, engines, examples, held_out, start_step,
