@@ -7984,17 +7984,37 @@ def test_train_grpo_math_reward_recipe_runs_end_to_end(tmp_path, monkeypatch):
 
 def test_train_grpo_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_non_zero(tmp_path):
     flags, expected = BAD_FLAGS["range"]
+    # Rank 0 starts 5 s late, as a loaded machine can make it: the other rank must not
+    # leave first (torchrun would stop rank 0 before it says why).
+    late_rank_0 = tmp_path / "late_rank_0.py"
+    late_rank_0.write_text(f"import os, runpy, sys, time\nsys.path.insert(0, {REPO_DIR!r})\n"
+                           "if os.environ['RANK'] == '0':\n    time.sleep(5)\n"
+                           f"runpy.run_path({os.path.join(REPO_DIR, 'train_grpo.py')!r}, run_name='__main__')\n")
     started = time.perf_counter()
     process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                              "train_grpo.py", "--out", str(tmp_path / "out"), *flags], cwd=REPO_DIR,
+                              str(late_rank_0), "--out", str(tmp_path / "out"), *flags], cwd=REPO_DIR,
                              capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS)
     print(f"refused in {time.perf_counter() - started:.1f} s")
     output = process.stdout + process.stderr
     assert process.returncode != 0
-    assert output.count(expected) == 1, output[-3000:]
+    assert output.count(expected) == 1 and "[rank 1]" not in output, output[-3000:]
     # torchrun's failure summary lists each local rank that exited non-zero.
     assert sorted(re.findall(r"\[(\d)\]:\s+time\s+:", output)) == ["0", "1"], output[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_train_grpo_a_message_rank_0_never_says_is_said_by_the_rank_that_has_it(monkeypatch, capsys):
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(train_grpo, "RANK_0_SAYS_IT_WITHIN_SECONDS", 0.05)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train_grpo.exit_now("train_grpo.py: only rank 1 found this")
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == "[rank 1] train_grpo.py: only rank 1 found this\n"
 
 
 def _main_with_flags(given):

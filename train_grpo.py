@@ -401,19 +401,41 @@ def finish(run, records, loggers, seconds):
     print(f"wrote {', '.join(written)}, {os.path.join(out, 'final')}", flush=True)
 
 
+# How long a rank other than 0 waits for rank 0 to say a message both have (exit_now).
+RANK_0_SAYS_IT_WITHIN_SECONDS = 60
+
+
+def wait_for_rank_0_to_say(message):
+    """On a rank other than 0, with a usage error's `message`: waits until torchrun stops
+    this process (status 1), which it does once rank 0 has said the message and exited. Rank
+    0 may be seconds behind, still importing on a loaded machine; had this rank exited first,
+    torchrun would have stopped rank 0 before it spoke. A message only this rank has (rank 0
+    never exits) is said here, with the rank, after RANK_0_SAYS_IT_WITHIN_SECONDS."""
+    def stop(signum, frame):
+        sys.exit(1)  # the slow way out: vLLM's destructors unlink their shared memory
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    time.sleep(RANK_0_SAYS_IT_WITHIN_SECONDS)
+    print(f"[rank {os.environ['RANK']}] {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def exit_now(code):
     """Ends the process with SystemExit's `code` (None or 0: success; a message: said on
     stderr by rank 0, status 1), skipping the interpreter's shutdown. Every output is written,
     flushed and closed by then, and the checkpoint lock is the kernel's to release; left to
     themselves, vLLM's exit hooks would collect garbage engine by engine and the interpreter
     would tear down every module: seconds of a short run's wall, with nothing left to save."""
+    rank = os.environ.get("RANK", "0")
     if code is not None and not isinstance(code, int):
-        if os.environ.get("RANK", "0") == "0":  # every rank has the message; one says it
-            print(code, file=sys.stderr)
+        if rank != "0":  # every rank has the message; one says it
+            wait_for_rank_0_to_say(code)
+        print(code, file=sys.stderr)
         code = 1
-    if code and os.environ.get("RANK", "0") != "0":
-        # Rank 0 alone says why a run stopped, maybe a moment later: torchrun would stop it,
-        # unsaid, as soon as another rank is gone. The slow way out leaves it that moment.
+    if code and rank != "0":
+        # Rank 0 alone says why a run stopped (a signal), maybe a moment later: torchrun would
+        # stop it, unsaid, as soon as another rank is gone. The slow way out leaves it that moment.
         sys.exit(code)
     if shared_memory_names() - SHARED_MEMORY_BEFORE:
         # vLLM's CPU engines over several ranks (--rollout-tp) share memory there that only
@@ -422,7 +444,6 @@ def exit_now(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
-
 
 if __name__ == "__main__":
     try:
