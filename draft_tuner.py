@@ -29,8 +29,8 @@ rollout and, while nothing drafts, followed by the trainer's estimate of A_1
 sum_v min(p, q) over the step's tokens, which the MTP loss computes anyway); without
 one, from a small check at the deepest k every few steps (`check`, the caller's: it rolls
 a few prompts out at the deepest k and returns their statistics). A draft the policy
-leaves behind stops being used at the next rollout, and once A_i moved far the k are
-tried again. Where two k run within a few percent of each other, two runs of one seed can
+leaves behind stops being used at the next rollout, and once A_i rose far enough for a
+k deeper than the tries' deepest to pay, the k are tried again. Where two k run within a few percent of each other, two runs of one seed can
 choose differently; the tuner's state is plain data for checkpoints, so a resumed run
 continues with it.
 
@@ -115,8 +115,8 @@ class DraftTuner:
     band to draft. k = 0 counts at most at PLAIN's speed in a band: it does PLAIN's work
     and more (the draft layer's forward and the verify path). A band no try ran takes the
     nearest tried band's k. `retry` (a fraction): the tries are stale once the tokens a
-    deepest-k step emits rose this much since they ended; a fall needs no tries, the model
-    already drafts less. Neither the period nor a rise re-opens them where, on the last
+    deepest-k step emits rose this much since they ended and a k deeper than the tries'
+    deepest could now pay; a fall needs no tries, the model already drafts less. Neither the period nor a rise re-opens them where, on the last
     rollout's bands, drafting could not beat PLAIN even at its best (`_could_pay`). Its
     state is plain data (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
     continues the tries where they were.
@@ -209,12 +209,16 @@ class DraftTuner:
 
     def is_stale(self):
         """Whether the acceptance rose so far (by more than `retry`) since the tries ended
-        that a k that lost then may win now. A fall is not: the model, at today's
-        acceptance, already chooses fewer drafts or none (`choose`), and a dip of one
-        rollout would otherwise cost a round of tries."""
+        that a k deeper than the tries' deepest could pay now (`_deepest_paying`). Among the
+        k's up to the deepest tried, the cost model already chooses at today's acceptance
+        (`choose`): the tries measured what drafting costs, not what it earns, so a rise
+        alone gives them nothing to measure again. A fall is not either: the model already
+        chooses fewer drafts or none, and a dip of one rollout would otherwise cost a round
+        of tries."""
         if self.tried_tokens_per_step is None:
             return False
-        return self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1 > self.retry
+        rose = self.tokens_per_step(self.max_tokens) / self.tried_tokens_per_step - 1 > self.retry
+        return rose and self._deepest_paying(self.acceptance) > (self.deepest or 0)
 
     def record(self, band_counts):
         """A try's measurement: {band: (tokens, seconds)} of the rollout at the schedule
@@ -336,7 +340,7 @@ class DraftTuner:
         trainer gives no estimates (or the engine never measured the acceptance), every
         `check_every` steps `check()` measures the acceptance at the deepest k (not at the
         first plan: the first tries measure it, `try_each`); at the first plan, every
-        `tune_every` steps and once the acceptance moved far, the tries begin.
+        `tune_every` steps and once the acceptance rose far (`is_stale`), the tries begin.
         `exploring()` after it says whether this rollout is a try (`after_rollout` then
         needs its band counts).
         """

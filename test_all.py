@@ -2267,19 +2267,24 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
     assert seconds / one_plain == pytest.approx(expected) and seconds / one_plain <= 1.02 * horizon
 
 
-@pytest.mark.parametrize("k1_speed, reopens", [(0.2, False), (0.8, True)])
-def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay(k1_speed, reopens):
-    """The default run's case: the tries measured k = 1 and 3 at a fifth of PLAIN's speed
-    in the one band that holds the tokens (a k = 3 step costs 5.8 k = 0 steps). The
-    acceptance then rises from 0.3 / 0.1 / 0.05 to 0.9 / 0.3 / 0.15 (stale: 2.35 tokens per
-    deepest verify step against 1.45), and the period comes: neither re-opens the tries,
-    since even a step at k = 3 emitting 2.35 tokens for that cost runs at 0.32 of PLAIN
-    (without the bound: a round of tries each time). At 0.8 of PLAIN the same bound could
-    pay (1.30x): the rise re-opens them. A rollout reaching a band no try ran re-opens them
-    too."""
+@pytest.mark.parametrize("depth1, k1_speed, reopened_at", [(0.1, 0.2, None), (0.1, 0.8, "rise"), (0.3, 0.8, 51)])
+def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay_deeper(depth1, k1_speed, reopened_at):
+    """The first tries measure A_1 = `depth1` at k = 1 (`k1_speed` of PLAIN's speed in the
+    one band that holds the tokens, k = 0 at 0.8). At 0.1 no k past 1 could pay (A_i taken
+    as A_1^i): the tries end at k = 1. The acceptance then rises to 0.9 at depth 1, which
+    the trainer's estimate brings (stale: 1.9 tokens per deepest verify step against 1.1,
+    and now k = 3 could pay). At a fifth of PLAIN's speed (a k = 1 step costs 4.4 k = 0
+    steps) neither the rise nor the period re-opens the tries: even a k = 1 step emitting
+    1.9 tokens for that cost runs at 0.35 of PLAIN (without the bound: a round of tries
+    each time). At 0.8 of PLAIN it could pay (1.38x): the rise re-opens them. Where the
+    tries already reached the deepest k (A_1 = 0.3: k = 3 tried), the rise re-opens
+    nothing (the cost model chooses at the new acceptance among what the tries measured;
+    before: a round of tries at the rise), the period does. A rollout reaching a band no
+    try ran re-opens them too."""
     plain = draft_tuner.PLAIN
     tuner, speed = draft_tuner.DraftTuner(max_tokens=3, num_bands=2), {plain: 1.0, 0: 0.8}
-    check = lambda: _acceptance_statistics([0.3, 0.1, 0.05])  # noqa: E731
+    measured = [depth1, depth1 ** 2, depth1 ** 3]
+    check = lambda: _acceptance_statistics(measured)  # noqa: E731
     tried, step, schedule = [], 1, None
     while True:
         schedule, _ = tuner.plan(step, check, 5, 50, drafting=bool(schedule and any(schedule)))
@@ -2288,12 +2293,13 @@ def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay(k1_speed, r
         tried.append(schedule)
         variant = plain if schedule is None else schedule[0]
         tuner.after_rollout(schedule, {0: (100, 100 / speed.get(variant, k1_speed))},
-                            _acceptance_statistics([0.3, 0.1, 0.05][:variant]) if variant not in (plain, 0) else None)
+                            _acceptance_statistics(measured[:variant]) if variant not in (plain, 0) else None)
         step += 1
-    assert tried == [None, [0, 0], [1, 1], [3, 3]] and schedule is None
-    tuner.after_rollout(None, {0: (100, 1.0)}, None)
+    deepest = 1 if depth1 == 0.1 else 3
+    assert tried == [None, [0, 0], [1, 1]] + ([[3, 3]] if deepest == 3 else []) and tuner.deepest == deepest
+    tuner.after_rollout(schedule, {0: (100, 1.0)}, None)
     tuner.observe_estimate(0.9)
-    assert tuner.acceptance == pytest.approx([0.9, 0.3, 0.15]) and tuner.is_stale()
+    assert tuner.acceptance[0] == pytest.approx(0.9) and tuner.is_stale() == (deepest == 1)
     reopened = []
     for step in range(step + 1, 111):  # two periods
         tuner.plan(step, check, 5, 50, drafting=False)
@@ -2303,10 +2309,10 @@ def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay(k1_speed, r
         tuner.after_rollout(None, {0: (100, 1.0)}, None)
     # The bound is judged after each rollout, at the acceptance then: the rise counts from
     # the rollout after the estimate that made it.
-    assert reopened == ([len(tried) + 3] if reopens else [])
-    if not reopens:  # a rollout that reached band 1, where no try ran: the rise re-opens the tries
+    assert reopened == {None: [], "rise": [len(tried) + 3], 51: [51]}[reopened_at]
+    if reopened_at is None:  # a rollout that reached band 1, where no try ran: the period re-opens the tries
         tuner.after_rollout(None, {0: (100, 1.0), 1: (10, 1.0)}, None)
-        assert tuner.plan(111, check, 5, 50, drafting=False)[0] is None and tuner.exploring()
+        assert tuner.plan(101, check, 5, 50, drafting=False)[0] is None and tuner.exploring()
 
 
 def test_draft_tuner_counts_k0_no_faster_than_plain():
