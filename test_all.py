@@ -6307,6 +6307,44 @@ def test_rollout_eager_token_ranks_count_as_vllms_compiled_function():
     assert result["sampler_counts_eagerly"]
 
 
+def _model_inspection():
+    """vLLM's answer to what MiMo's target and MTP classes support, with its cache emptied
+    each time: by vLLM's own fresh process, then in this one (rollout.inspect_models_in_process),
+    counting the processes each way starts."""
+    import subprocess
+    from vllm.model_executor.models import registry
+
+    started, original_run = [], subprocess.run
+
+    def counting_run(*args, **kwargs):
+        started.append(args[0])
+        return original_run(*args, **kwargs)
+
+    subprocess.run = counting_run
+    cache = registry._LazyRegisteredModel._get_cache_dir()
+    result = {"cache": str(cache)}
+    for way in ("vllm", "in_process"):
+        if way == "in_process":
+            result["patched"] = rollout.inspect_models_in_process() and rollout.inspect_models_in_process()
+        shutil.rmtree(cache, ignore_errors=True)
+        before = len(started)
+        infos = {arch: registry.ModelRegistry.models[arch].inspect_model_cls()
+                 for arch in ("MiMoForCausalLM", "MiMoMTPModel")}
+        result[way] = ({arch: dataclasses.asdict(info) for arch, info in infos.items()}, len(started) - before,
+                       sorted(os.listdir(cache)))
+    return result
+
+
+def test_rollout_inspect_models_in_process_answers_as_vllms_own_process(tmp_path):
+    result, = run_in_processes(_model_inspection, env={**VLLM_ENV, "VLLM_CACHE_ROOT": str(tmp_path)})
+    assert result["cache"].startswith(str(tmp_path)) and result["patched"]
+    (by_vllm, vllm_processes, vllm_cached), (here, here_processes, here_cached) = result["vllm"], result["in_process"]
+    # vLLM starts a Python process per class; the patch none, with the same answers cached alike.
+    assert vllm_processes == 2 and here_processes == 0
+    assert here == by_vllm and by_vllm["MiMoMTPModel"] != by_vllm["MiMoForCausalLM"]
+    assert here_cached == vllm_cached and len(vllm_cached) == 2
+
+
 def _one_engine_under_auto(checkpoint):
     """build_engines under auto, counting the vLLM engines it builds; greedy tokens of its
     engine with the draft layer idle (counting the draft layer's forwards), at k = 0 in
