@@ -8,7 +8,7 @@ assumed, and measured on the rollouts themselves: short timing rollouts mislead 
 shared machine a burst of load slows a short rollout whole, and at temperature 1 a few
 sequences sampled off what the draft predicts make one short rollout far slower than the
 next), while a few real rollouts taking turns measure what drafting costs. Four tries, per
-band of batch sizes: the plain engine, k = 0, k = 1 and the deepest k. From them a cost
+band of batch sizes: k = 0, k = 1, the deepest k and the plain engine. From them a cost
 model chooses each band's k: drafting's fixed and per-draft cost as shares of a step, from
 k = 1's and the deepest k's speeds over k = 0's, non-decreasing from thin bands to crowded
 ones, against the tokens a verify step at k emits at the acceptance the engine measures
@@ -58,7 +58,7 @@ def acceptance_by_depth(statistics):
     return [count / drafted for count, drafted in zip(statistics["accepted_per_position"], drafts) if drafted]
 
 
-# DraftTuner's tries: the plain engine, k = 0, k = 1 and the deepest k that could pay,
+# DraftTuner's tries: k = 0, k = 1, the deepest k that could pay and the plain engine,
 # each in every band, TRY_ROUNDS times in turn (each try costs where it is slow, and more
 # rounds bought less than they cost on the tail task). A band's speed at one k moves
 # 14-24% from one rollout to the next (its batch sizes and accepted drafts change), more
@@ -91,11 +91,15 @@ class DraftTuner:
     docstring) are the whole use.
 
     The tries: the next 4 x `rounds` rollouts (3 where the deepest k is 1), taking turns:
-    PLAIN (the whole rollout with the draft idle), k = 0 in every band (the draft layer
-    runs, nothing is drafted), k = 1 and the deepest k that could pay in every band: where
-    a verify step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are at
-    least 1 + margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k x
-    MIN_DRAFT_COST). Nothing is tried where no k could pay (a random draft). A run's first
+    k = 0 in every band (the draft layer runs, nothing is drafted), k = 1 and the deepest
+    k that could pay in every band, then PLAIN (the whole rollout with the draft idle). A
+    run's first rollout pays the engine's warm-up (30-50% slower than the next on the
+    default run), so PLAIN, the speed every choice must beat, comes last, and k = 0
+    first: its speed is only the base the tried k's costs are shares of, and a tried k's
+    modelled speed is its measured one whatever that base. The deepest k that could pay:
+    where a verify step's tokens (1 + A_1 + ... + A_k, A_i the acceptance at depth i) are
+    at least 1 + margin times its cost with each draft at MIN_DRAFT_COST of a step (1 + k
+    x MIN_DRAFT_COST). Nothing is tried where no k could pay (a random draft). A run's first
     tries begin before any acceptance is known (no check rollout of their own): their k = 1
     try measures A_1, and the deepest k is settled from it, deeper depths as A_1^i (none
     past k = 1 where none could pay). A band's speed at each is the mean over its tries.
@@ -175,8 +179,8 @@ class DraftTuner:
             self.acceptance[depth] = self.acceptance[depth - 1] * conditional
 
     def try_each(self):
-        """Begin the tries (the class docstring) at the current acceptance: PLAIN, k = 0, k = 1
-        and the deepest k that could pay (none where no drafting k could: then PLAIN without
+        """Begin the tries (the class docstring) at the current acceptance: k = 0, k = 1, the
+        deepest k that could pay and PLAIN (none where no drafting k could: then PLAIN without
         tries). Where the engine never measured the acceptance (a run's first tries), all
         four begin, and the deepest k is settled once the k = 1 try measured A_1
         (`_settle_deepest`)."""
@@ -244,15 +248,18 @@ class DraftTuner:
             self.tried_acceptance = list(self.acceptance)
 
     def _next_try(self):
-        """The next try's schedule, `_try_order`'s in turn (None: PLAIN)."""
+        """The next try's schedule (None: PLAIN): in this round of `_try_order`, the first
+        one not yet tried (a state saved while the tries ran in another order resumes
+        with what it lacks)."""
         order = self._try_order()
-        return order[len(self.tried) % len(order)]
+        turn = len(self.tried) // len(order)
+        return next(schedule for schedule in order if self.tried.count(schedule) <= turn)
 
     def _try_order(self):
-        """PLAIN, k = 0 everywhere, k = 1 everywhere and, where deeper, the deepest k everywhere
-        (max_tokens while it is not settled)."""
+        """k = 0 everywhere, k = 1 everywhere, where deeper the deepest k everywhere (max_tokens
+        while it is not settled), then PLAIN."""
         deepest = self.max_tokens if self.deepest is None else self.deepest
-        return [None] + [[k] * self.num_bands for k in sorted({0, 1, deepest})]
+        return [[k] * self.num_bands for k in sorted({0, 1, deepest})] + [None]
 
     def band_speeds(self, variant):
         """[each band's mean tried tokens/s at `variant`, None where it ran no step]."""

@@ -334,16 +334,16 @@ def add_mtp_flags(p):
     p.add_argument("--num-speculative-tokens", type=draft_tokens_flag, default="auto",
                    help="MTP draft tokens per verify step, or auto: per band of batch sizes the k in "
                         "0..--max-speculative-tokens (0: no drafting) a cost model says runs fastest: every "
-                        "--tune-every steps, and when the acceptance rose far, the next rollouts try in turn the "
-                        "plain engine, k = 0, k = 1 and the deepest k that could pay, which give each band's cost of "
+                        "--tune-every steps, and when the acceptance rose far, the next rollouts try in turn k = 0, "
+                        "k = 1, the deepest k that could pay and the plain engine, which give each band's cost of "
                         "drafting; the acceptance the engine measures then sets each band's k")
     p.add_argument("--max-speculative-tokens", type=number(int, at_least=1, at_most=MAX_DRAFT_TOKENS, why=PAST_MAX_DRAFT),
                    default=None, help="the deepest k auto considers; default: the built-in task's ("
                    + ", ".join(f"{task} {spec['max_draft_tokens']}" for task, spec in tasks.TASKS.items()
                                if spec["max_draft_tokens"]) + f"), else {ROLLOUT.draft_tokens}")
     p.add_argument("--tune-every", type=POSITIVE_INT, default=ROLLOUT.tune_every,
-                   help="auto: every N steps (and at the first) the rollouts try the plain engine, k = 0, k = 1 and "
-                        "the deepest k that could pay again, in turns, on the current weights")
+                   help="auto: every N steps (and at the first) the rollouts try k = 0, k = 1, the deepest k that "
+                        "could pay and the plain engine again, in turns, on the current weights")
     p.add_argument("--acceptance-check-every", type=POSITIVE_INT, default=ROLLOUT.acceptance_check_every,
                    help="auto, while no rollout drafts and the trainer estimates no acceptance (--mtp-target sampled): "
                         "every N steps measure the draft's acceptance at every depth on "

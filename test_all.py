@@ -1967,7 +1967,7 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
     # plain one. The tries: PLAIN, then k = 0, 1 and the deepest, 3, in every band.
     speeds = {plain: [100, 100, 100], 0: [90, 92, 90], 1: [150, 110, 80], 2: [190, 105, 70], 3: [220, 100, 60]}
     tried = _roll_out_tries(tuner, [speeds] * 4, tokens=[100, 300, 300])
-    assert tried == [None, [0, 0, 0], [1, 1, 1], [3, 3, 3]] and not tuner.exploring()
+    assert tried == [[0, 0, 0], [1, 1, 1], [3, 3, 3], None] and not tuner.exploring()
     assert tuner.band_speeds(3) == [220, 100, 60] and tuner.band_speeds(plain) == [100, 100, 100]
     assert tuner.band_speeds(2) == [None, None, None]  # never tried
     # A step at k costs, over a k = 0 step, 1.9 x 90 / 150 = 1.14 (k = 1) and 3.4 x 90 / 220
@@ -2000,13 +2000,13 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
     assert tuner.choose() is None and not tuner.is_stale()
     assert tuner._schedule_seconds()[0] == [2, 1, 0]
     # A band the tries never ran takes the k of the nearest band they ran, and does not hold
-    # the tries up (k = 1 is the deepest here: PLAIN, k = 0, k = 1).
+    # the tries up (k = 1 is the deepest here: k = 0, k = 1, PLAIN).
     unseen = draft_tuner.DraftTuner(max_tokens=1, num_bands=3)
     unseen.observe(_acceptance_statistics([0.9]))
     unseen.try_each()
     tried = _roll_out_tries(unseen, [{plain: [100, 100, None], 0: [90, 90, None], 1: [200, 91, None]}] * 3,
                             [100, 100, 0])
-    assert tried == [None, [0, 0, 0], [1, 1, 1]]
+    assert tried == [[0, 0, 0], [1, 1, 1], None]
     assert not unseen.exploring()
     assert unseen.choose() == [1, 0, 0]
     unseen.try_each()
@@ -2021,8 +2021,8 @@ def test_draft_tuner_chooses_a_k_per_band_from_the_measured_speeds_by_hand():
     _roll_out_tries(tuner, [speeds] * 2, tokens=[100, 300, 300])
     restored = draft_tuner.DraftTuner(max_tokens=3, num_bands=3)
     restored.load_state_dict(tuner.state_dict())
-    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose() == [1, 1, 1]
-    assert _roll_out_tries(restored, [speeds] * 2, [100, 300, 300]) == [[1, 1, 1], [3, 3, 3]]
+    assert restored.state_dict() == tuner.state_dict() and restored.choose() == tuner.choose() == [3, 3, 3]
+    assert _roll_out_tries(restored, [speeds] * 2, [100, 300, 300]) == [[3, 3, 3], None]
     with pytest.raises(ValueError, match="for num_bands 3, this tuner has 2"):
         draft_tuner.DraftTuner(max_tokens=3, num_bands=2).load_state_dict(tuner.state_dict())
 
@@ -2051,9 +2051,9 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
         variant = schedule[0] if schedule else None
         tuner.after_rollout(schedule, {0: (100, seconds[variant])},
                             _acceptance_statistics([0.9]) if variant else None)
-    # The tries: PLAIN, k = 0, k = 1 (the deepest here), once each; k = 1 (0.6 s against 1.1
+    # The tries: k = 0, k = 1 (the deepest here), PLAIN, once each; k = 1 (0.6 s against 1.1
     # and PLAIN's 1.0) wins: the rollouts after draft at 1.
-    assert tried == [None, [0], [1], [1], [1]] and not tuner.exploring() and tuner.tried == [None, [0], [1]]
+    assert tried == [[0], [1], None, [1], [1]] and not tuner.exploring() and tuner.tried == [[0], [1], None]
     assert checks == [] and tuner.plan(6, check([0.0]), 5, 50, drafting=True) == ([1], None)
     # A drafting rollout that finds the draft left behind stops drafting at the next plan.
     tuner.after_rollout([1], {0: (100, 0.6)}, _acceptance_statistics([0.05]))
@@ -2068,8 +2068,8 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
     # A fresh run's k = 1 try settles the deepest k, deeper depths as A_1^i: 0.6 measured
     # tries 3 (1 + 0.6 + 0.36 + 0.216 tokens per step could pay), 0.1 stops at k = 1 (1.11
     # tokens for at least 1.1 steps' cost at k = 2), 0.02 (a random draft) too, none deeper.
-    for depth1, deepest, order in ((0.6, 3, [None, [0], [1], [3]]), (0.1, 1, [None, [0], [1]]),
-                                   (0.02, 0, [None, [0], [1]])):
+    for depth1, deepest, order in ((0.6, 3, [[0], [1], [3], None]), (0.1, 1, [[0], [1], None]),
+                                   (0.02, 0, [[0], [1], None])):
         fresh, tried = draft_tuner.DraftTuner(max_tokens=3, num_bands=1), []
         for step in range(1, 6):
             schedule = fresh.plan(step, check([0.0]), 5, 50, drafting=False)[0]
@@ -2090,30 +2090,51 @@ def test_draft_tuner_plan_checks_and_tries_on_schedule_by_hand():
         assert checked is None
         blind.after_rollout(schedule, {0: (100, 1.1 if schedule else 1.0)}, None)
         blind.observe_estimate(0.8)
-    assert blind.tried == [None, [0], [1]] and blind.deepest == 0 and blind.acceptance == [0.0, 0.0, 0.0]
+    assert blind.tried == [[0], [1], None] and blind.deepest == 0 and blind.acceptance == [0.0, 0.0, 0.0]
     schedule, checked = blind.plan(6, check([0.8, 0.6, 0.4]), 5, 50, drafting=False)
     assert checked["accepted_per_position"] == [80, 60, 40] and blind.acceptance == pytest.approx([0.8, 0.6, 0.4])
-    assert (schedule, blind.exploring(), blind.deepest) == (None, True, 3)
+    assert (schedule, blind.exploring(), blind.deepest) == ([0], True, 3)
     assert draft_tuner.acceptance_by_depth(None) == [] and draft_tuner.acceptance_by_depth(_acceptance_statistics([0.5, 0.25])) \
         == [0.5, 0.25]
 
 
 def test_draft_tuner_tries_read_the_last_trys_own_acceptance():
-    """The k = 1 try measured A_1 alone (deeper depths unmeasured, capped by it); the tries'
-    last rollout, at the deepest k, measured them. Its speed was at that acceptance, so the
-    model reads it (`tried_acceptance`), and the rise it measured is not news: the tries
-    are not stale at once. Recorded before the acceptance went in, the tail task's runs
-    tried again 4 rollouts after their tries ended."""
+    """The k = 1 try measured A_1 alone (deeper depths unmeasured, capped by it); the
+    deepest try measured them, and PLAIN ends the tries. The deepest try's speed was at
+    that acceptance, so the model reads it (`tried_acceptance`), and the rise it measured
+    is not news: the tries are not stale at once. (When the deepest try ended the tries, a
+    try recorded before its acceptance went in left it out, and the tail task's runs tried
+    again 4 rollouts after their tries ended.)"""
     tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
     tuner.plan(1, lambda: pytest.fail("the first tries need no check"), 5, 50, drafting=False)
     seconds = {None: 1.0, 0: 1.05, 1: 0.7, 3: 0.45}
     for step in range(1, 5):
-        schedule = tuner.choose() if step > 1 else None
+        schedule = tuner.choose()
         variant = schedule[0] if schedule else None
         tuner.after_rollout(schedule, {0: (100, seconds[variant])},
                             _acceptance_statistics([0.85, 0.7, 0.6][:variant]) if variant else None)
     assert not tuner.exploring() and tuner.tried_acceptance == pytest.approx([0.85, 0.7, 0.6])
     assert not tuner.is_stale() and tuner.choose() == [3]
+
+
+def test_draft_tuner_first_rollouts_warm_up_does_not_make_drafting_look_faster():
+    """The default run's case: 3-token answers, where every k runs slower than the plain
+    engine (k = 0 0.85x, 1 0.8x, 3 0.65x, the draft accepted 0.5 / 0.3 / 0.2), and the
+    run's first rollout 1.5x slower than the same rollout later (the engine's warm-up: the
+    bench's runs measured 1472-1912 tokens/s at step 1 against 2139-2687 for k = 0 at step
+    2). The tries measure k = 0 first and PLAIN last: nothing drafts. With PLAIN tried at
+    step 1 the warm-up made it look slowest and auto drafted k = 1 in 32-40 of the next
+    46 rollouts (the test fails with that order)."""
+    tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1)
+    speed, schedule = {None: 3000, 0: 2550, 1: 2400, 3: 1950}, None
+    for step in range(1, 6):
+        schedule, _ = tuner.plan(step, lambda: pytest.fail("no check"), 5, 50, drafting=bool(schedule and any(schedule)))
+        variant = schedule[0] if schedule else None
+        seconds = 390 / speed[variant] * (1.5 if step == 1 else 1.0)
+        tuner.after_rollout(schedule, {0: (390, seconds)},
+                            _acceptance_statistics([0.5, 0.3, 0.2][:variant]) if variant else None)
+    assert not tuner.exploring() and tuner.choose() is None
+    assert tuner.tried == [[0], [1], [3], None]
 
 
 def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_hand():
@@ -2130,12 +2151,13 @@ def test_draft_tuner_follows_the_estimate_from_training_instead_of_checking_by_h
     tuner = draft_tuner.DraftTuner(max_tokens=3, num_bands=1, rounds=1)
     tuner.observe_estimate(0.5)  # nothing measured yet: no conditionals to follow
     assert tuner.acceptance == [0.0, 0.0, 0.0]
-    # The first tries (PLAIN, k = 0, 1, then the deepest, 3), each 10% slower than the plain
-    # engine: nothing drafts after. Before the k = 1 try nothing is measured, so the
-    # estimates change nothing; each drafting try's counts stand.
+    # The first tries (k = 0, 1, then the deepest, 3, then PLAIN), each 10% slower than the
+    # plain engine: nothing drafts after. Before the k = 1 try nothing is measured, so the
+    # estimates change nothing; each drafting try's counts stand; after PLAIN's rollout
+    # (no drafts) the estimate leads, the conditionals 0.75 and 0.5 follow.
     measured = {1: [0.8], 3: [0.8, 0.6, 0.3]}
-    after = [[0.0] * 3, [0.0] * 3, [0.8, 0.0, 0.0], [0.8, 0.6, 0.3]]  # deeper depths capped by the deepest measured
-    for step, variant in zip(range(1, 5), [None, 0, 1, 3]):
+    after = [[0.0] * 3, [0.8, 0.0, 0.0], [0.8, 0.6, 0.3], [0.6, 0.45, 0.225]]  # deeper depths capped by the deepest measured
+    for step, variant in zip(range(1, 5), [0, 1, 3, None]):
         schedule, checked = tuner.plan(step, check, 5, 50, drafting=False)
         assert schedule == (None if variant is None else [variant]) and checked is None
         tuner.after_rollout(schedule, {0: (100, 1.0 if variant is None else 1.1)},
@@ -2251,7 +2273,7 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
     between two rounds of tries (tune_every), auto's rollout time must stay within 2% of
     PLAIN-only (>= 0.98x, the issue's 0.97x with room for noise); whole rollouts at each k
     in turn (PLAIN, 0, 1, 2, 3, three times) took 15 tries and 52.1 (0.96x) or 53.8
-    (0.93x) PLAIN rollouts' time. The tries are PLAIN, k = 0, 1 and 3 once each (k = 0
+    (0.93x) PLAIN rollouts' time. The tries are k = 0, 1, 3 and PLAIN once each (k = 0
     runs at PLAIN's speed, or 25% slower; k = 1 at 1.8 / 2 = 0.9 or 0.8; k = 3 at 2.952 / 4
     = 0.74 or 0.69), and the model then chooses PLAIN: a draft costs a whole step. Guards
     the tries' count (each costs) and the choice (drafting where it cannot pay costs every
@@ -2259,7 +2281,7 @@ def test_draft_tuner_tries_cost_little_where_every_band_is_crowded(draft_overhea
     horizon, speed = rollout.RolloutConfig().tune_every, _crowded_speed(draft_overhead)
     tuner, bands = _tuner_trying(4), 4
     seconds, tried = _simulate_rollouts(tuner, speed, [100] * bands, horizon)
-    assert tried == [None, [0] * 4, [1] * 4, [3] * 4]
+    assert tried == [[0] * 4, [1] * 4, [3] * 4, None]
     assert tuner.choose() is None  # the plain engine after the tries
     assert tuner.draft_costs() == [pytest.approx((0.0, 1 / (1 + draft_overhead)))] * bands
     one_plain = _rollout_seconds(speed, [100] * bands, None)
@@ -2296,7 +2318,7 @@ def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay_deeper(dept
                             _acceptance_statistics(measured[:variant]) if variant not in (plain, 0) else None)
         step += 1
     deepest = 1 if depth1 == 0.1 else 3
-    assert tried == [None, [0, 0], [1, 1]] + ([[3, 3]] if deepest == 3 else []) and tuner.deepest == deepest
+    assert tried == [[0, 0], [1, 1]] + ([[3, 3]] if deepest == 3 else []) + [None] and tuner.deepest == deepest
     tuner.after_rollout(schedule, {0: (100, 1.0)}, None)
     tuner.observe_estimate(0.9)
     assert tuner.acceptance[0] == pytest.approx(0.9) and tuner.is_stale() == (deepest == 1)
@@ -2312,7 +2334,7 @@ def test_draft_tuner_reopens_the_tries_only_where_drafting_could_pay_deeper(dept
     assert reopened == {None: [], "rise": [len(tried) + 3], 51: [51]}[reopened_at]
     if reopened_at is None:  # a rollout that reached band 1, where no try ran: the period re-opens the tries
         tuner.after_rollout(None, {0: (100, 1.0), 1: (10, 1.0)}, None)
-        assert tuner.plan(101, check, 5, 50, drafting=False)[0] is None and tuner.exploring()
+        assert tuner.plan(101, check, 5, 50, drafting=False)[0] == [0, 0] and tuner.exploring()
 
 
 def test_draft_tuner_counts_k0_no_faster_than_plain():
@@ -2340,8 +2362,8 @@ def test_draft_tuner_stops_trying_once_plain_wins_whatever_a_rare_band_could_do(
     """The default run's case: one crowded band holds the tokens, where the drafting
     engine at k = 0 runs at 0.8 of PLAIN (the draft layer on a 2-layer model), and a thin
     band that a few sequences ending early reach in some rollouts only, where drafting
-    would pay. The rare band must not keep the tries going (they are PLAIN, k = 0, 1 and
-    3, once each) nor buy a drafting schedule, which runs the crowded band at k = 0: PLAIN."""
+    would pay. The rare band must not keep the tries going (they are k = 0, 1, 3 and
+    PLAIN, once each) nor buy a drafting schedule, which runs the crowded band at k = 0: PLAIN."""
     tuner, tried = _tuner_trying(2), []
     speed = {0: lambda k: 1.0 if k == draft_tuner.PLAIN else 0.8 / (1 + 0.5 * k),
              1: lambda k: 0.1 if k == draft_tuner.PLAIN else 0.08 * _tokens_per_verify_step(k) / (1 + 0.1 * k)}
@@ -2353,12 +2375,12 @@ def test_draft_tuner_stops_trying_once_plain_wins_whatever_a_rare_band_could_do(
         tokens = {0: 100, **({1: 1} if rollout_index % 3 == 2 else {})}
         tuner.record({band: (count, count / speed[band](draft_tuner.PLAIN if schedule is None else schedule[band]))
                       for band, count in tokens.items()})
-    assert tried == [None, [0, 0], [1, 1], [3, 3]] and tuner.choose() is None
+    assert tried == [[0, 0], [1, 1], [3, 3], None] and tuner.choose() is None
 
 
 def test_draft_tuner_chooses_the_per_band_oracle_on_long_tailed_bands():
     """Thin bands where k = 3 is fastest, crowded ones where k = 0 is: from the tries at
-    PLAIN, k = 0, 1 and 3, the model's choice is each band's best fixed k in hindsight (the
+    k = 0, 1, 3 and PLAIN, the model's choice is each band's best fixed k in hindsight (the
     oracle): a draft costs 0.045 of a step in the thin bands, 0.91 in the crowded ones.
     Over tune_every rollouts, tries included, auto runs 1.85x PLAIN where the oracle runs
     1.95x: 90.0% of the oracle's gain (the tries of k = 0 and 1 in the thin bands, where
@@ -2371,7 +2393,7 @@ def test_draft_tuner_chooses_the_per_band_oracle_on_long_tailed_bands():
     tuner = _tuner_trying(len(tokens))
     seconds, tried = _simulate_rollouts(tuner, _long_tailed_speed, tokens, horizon)
     assert tuner.choose() == oracle
-    assert tried == [None, [0] * 8, [1] * 8, [3] * 8]
+    assert tried == [[0] * 8, [1] * 8, [3] * 8, None]
     assert [cost for _, cost in tuner.draft_costs()] == pytest.approx([0.05 / 1.1] * 4 + [1 / 1.1] * 4)
     plain = _rollout_seconds(_long_tailed_speed, tokens, None)
     oracle_gain = plain / _rollout_seconds(_long_tailed_speed, tokens, oracle) - 1
@@ -2395,18 +2417,22 @@ def test_draft_tuner_tries_the_deepest_k_past_a_k_that_measured_slower():
 
 def test_draft_tuner_choice_stays_near_the_oracle_under_noise():
     """Each try's speed per band off by up to 5% either way, 30 seeds: the choice's
-    rollout time is within 3% of the per-band oracle's (worst 2.0%: k = 2 for 3 in the
-    thinnest band), where each k runs close to the next (a ladder: 6% apart, not what the
-    cost model assumes) and where every band is crowded (then PLAIN)."""
+    rollout time is within 5% of the per-band oracle's and 1% on average, where each k
+    runs close to the next (a ladder: 6% apart, not what the cost model assumes) and where
+    every band is crowded (then PLAIN). Over 200 seeds: worst 4.1% (k = 2 for 3 in the
+    thinnest band), mean 0.16%; 0.23% with PLAIN tried first."""
     tokens = [steps * size for steps, size in zip(SYNTHETIC_STEPS, SYNTHETIC_SIZES)]
     for speed, tokens in ((_ladder_speed, tokens), (_crowded_speed(0.0), [100] * 4)):
         oracle = [max(range(4), key=lambda k: speed(k, band)) for band in range(len(tokens))]
         best = min(_rollout_seconds(speed, tokens, oracle), _rollout_seconds(speed, tokens, None))
+        ratios = []
         for seed in range(30):
             tuner = _tuner_trying(len(tokens))
             _simulate_rollouts(tuner, speed, tokens, 20, noise=0.05, seed=seed)
             assert not tuner.exploring(), seed
-            assert _rollout_seconds(speed, tokens, tuner.choose()) <= 1.03 * best, (seed, tuner.choose())
+            ratios.append(_rollout_seconds(speed, tokens, tuner.choose()) / best)
+            assert ratios[-1] <= 1.05, (seed, tuner.choose())
+        assert sum(ratios) / len(ratios) <= 1.01, ratios
 
 
 def test_draft_tuner_resumes_the_tries_from_a_saved_state():
@@ -2422,11 +2448,12 @@ def test_draft_tuner_resumes_the_tries_from_a_saved_state():
     buffer.seek(0)
     restored = draft_tuner.DraftTuner(max_tokens=3, num_bands=len(tokens))
     restored.load_state_dict(torch.load(buffer, weights_only=True))
-    assert restored.exploring() and restored.choose() == tuner.choose() == [3] * 8
+    assert restored.exploring() and tuner.choose() is None and restored.choose() is None
     rest = [_simulate_rollouts(each, _long_tailed_speed, tokens, 12, noise=0.05, seed=1) for each in (tuner, restored)]
-    assert rest[0] == rest[1] and rest[0][1] == [[3] * 8] and restored.choose() == tuner.choose() == [3] * 4 + [0] * 4
-    # A state the per-band search saved (its candidates and opened k, mid-tries) loads: what
-    # the model does not read is left out, and the tries go on in turn.
+    assert rest[0] == rest[1] and rest[0][1] == [None] and restored.choose() == tuner.choose() == [3] * 4 + [0] * 4
+    # A state the per-band search saved (its candidates and opened k, mid-tries, PLAIN
+    # first) loads: what the model does not read is left out, and the tries go on with the
+    # first not yet tried.
     searched = draft_tuner.DraftTuner(max_tokens=3, num_bands=len(tokens))
     searched.load_state_dict(dict(tuner.state_dict(), candidates=[[0, 1]] * 8, opened=[1] * 8, trying=True,
                                   tried=[None, [0] * 8]))
@@ -7190,7 +7217,7 @@ def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight_or_a_fixed_ru
     fast = run({"1": (60, 3.0), "65-128": (80, 1.0)}, rollout_s=6.0)
     assert bench_runs.rl_oracle_speedup(none, fixed + [fast], engines=2) == pytest.approx(25.0 / 13.0, rel=1e-12)
     # auto replayed on such runs: k = 1 twice none's speed in every band, accepted 90%: the
-    # oracle is 2x, and auto, after its tries (PLAIN, k = 0, then k = 1), gets most of it.
+    # oracle is 2x, and auto, after its tries (k = 0, k = 1, then PLAIN), gets most of it.
     def steps(speed, acceptance=None):
         return [{"bands": {"1": {"tokens": 10, "seconds": 10 / speed}, "65-128": {"tokens": 100, "seconds": 1.0 / speed}},
                  "acceptance_by_depth": acceptance} for _ in range(40)]
@@ -7853,25 +7880,27 @@ def test_train_grpo_runs_with_a_user_reward_and_evaluates(tmp_path):
         assert 0 <= record["reward_mean"] <= 1 and 0 <= record["eval_reward_mean"] <= 1
         assert 0 <= record["eval_accuracy"] <= 1 and record["eval_response_length"] == 3
     # --num-speculative-tokens auto (the default): the first tries begin at step 1 with no
-    # check rollout, the plain engine at step 1, the drafting engine at k = 0 at step 2;
-    # nothing drafted yet, nothing measured: the deepest k waits for the k = 1 try.
+    # check rollout, the drafting engine at k = 0 at step 1 (nothing drafted, nothing
+    # measured), at k = 1 at step 2, which measures A_1 and settles the deepest k from it.
     first, second = records
+    bands = len(spec_config.BAND_EDGES)
     assert "check_acceptance_by_depth" not in first and "check_acceptance_by_depth" not in second
-    assert first["draft_schedule"] is None and second["draft_schedule"] == [0] * len(spec_config.BAND_EDGES)
-    for record in records:
-        assert record["draft_tokens"] == 0 and record["acceptance_rate"] is None and "tried_band_speeds" in record
+    assert first["draft_schedule"] == [0] * bands and second["draft_schedule"] == [1] * bands
+    assert first["draft_tokens"] == 0 and first["acceptance_rate"] is None and "tried_band_speeds" in first
+    assert second["draft_tokens"] == 1 and 0 < second["acceptance_rate"] <= 1 and "tried_band_speeds" in second
     tuner = torch.load(os.path.join(tmp_path, "run", "checkpoints", "step_000002", "rank0.pt"),
                        weights_only=True)["draft_tuner"]
-    bands = len(spec_config.BAND_EDGES)
-    assert tuner["max_tokens"] == 3 and tuner["deepest"] is None and tuner["tried"] == [None, [0] * bands]
-    # Still trying: k = 1 and the deepest it settles are to come, whatever PLAIN and k = 0 measured.
-    assert tuner["trying"] and tuner["tried_acceptance"] is None and tuner["measured"] is None
+    assert tuner["max_tokens"] == 3 and tuner["deepest"] in (0, 1, 2, 3)
+    assert tuner["tried"] == [[0] * bands, [1] * bands]
+    # Still trying: the deepest k where deeper than 1, and PLAIN, are to come.
+    assert tuner["trying"] and tuner["tried_acceptance"] is None
     # The trainer estimates A_1 every step (its drafts are sampled, and a random head's
     # distribution is as near uniform as the random policy's: most would be accepted);
-    # with no engine measurement yet there are no conditionals for the deeper depths to
-    # follow, so the acceptance waits for the k = 1 try.
+    # after a drafting rollout the engine's counts stand: A_1 measured, the deeper depths
+    # (not drafted) capped by it.
     assert 0.5 < first["mtp_acceptance"] < 1 and 0.5 < second["mtp_acceptance"] < 1
-    assert tuner["estimated"] and not tuner["drafted"] and tuner["acceptance"] == [0.0, 0.0, 0.0]
+    assert tuner["estimated"] and tuner["drafted"] and tuner["measured"] == tuner["acceptance"]
+    assert 0 < tuner["acceptance"][0] <= 1 and tuner["acceptance"][1:] == [0.0, 0.0]
 
 
 def _write_draft_friendly_checkpoint(checkpoint, out_dir):
@@ -7879,9 +7908,9 @@ def _write_draft_friendly_checkpoint(checkpoint, out_dir):
 
 
 def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_path):
-    # A draft that is nearly always right: steps 1-3 try the plain engine, then the
-    # drafting one at k = 0 and at k = 1 (the deepest here) in every band of batch sizes,
-    # with no check rollout before them (the k = 1 try measures the acceptance); then the
+    # A draft that is nearly always right: steps 1-3 try the drafting engine at k = 0 and
+    # at k = 1 (the deepest here) in every band of batch sizes, then the plain engine, with
+    # no check rollout before them (the k = 1 try measures the acceptance); then the
     # rollouts run as the tries' cost model says, at the acceptance since.
     model_dir, = run_in_processes(_write_draft_friendly_checkpoint, args=(tiny_checkpoint, str(tmp_path / "model")))
     records, _ = _train(str(tmp_path / "run"), "--model", model_dir, "--steps", "10", "--prompts-per-step", "4",
@@ -7890,8 +7919,8 @@ def test_train_grpo_auto_tries_each_k_and_keeps_the_faster(tiny_checkpoint, tmp_
     bands = len(spec_config.BAND_EDGES)
     count = sum("tried_band_speeds" in record for record in records)
     tries = records[:count]
-    assert count == 3 and [r["draft_schedule"] for r in tries] == [None, [0] * bands, [1] * bands]
-    assert tries[2]["acceptance_rate"] > 0.3
+    assert count == 3 and [r["draft_schedule"] for r in tries] == [[0] * bands, [1] * bands, None]
+    assert tries[1]["acceptance_rate"] > 0.3
     for record in tries:
         schedule = record["draft_schedule"]
         assert (record["acceptance_rate"] is not None) == bool(schedule and any(schedule))
