@@ -2117,7 +2117,7 @@ def test_draft_tuner_tries_read_the_last_trys_own_acceptance():
     assert not tuner.is_stale() and tuner.choose() == [3]
 
 
-def test_draft_tuner_first_rollouts_warm_up_does_not_make_drafting_look_faster():
+def test_draft_tuner_the_runs_first_warm_up_does_not_make_drafting_look_faster():
     """The default run's case: 3-token answers, where every k runs slower than the plain
     engine (k = 0 0.85x, 1 0.8x, 3 0.65x, the draft accepted 0.5 / 0.3 / 0.2), and the
     run's first rollout 1.5x slower than the same rollout later (the engine's warm-up: the
