@@ -30,9 +30,9 @@ sum_v min(p, q) over the step's tokens, which the MTP loss computes anyway); wit
 one, from a small check at the deepest k every few steps (`check`, the caller's: it rolls
 a few prompts out at the deepest k and returns their statistics). A draft the policy
 leaves behind stops being used at the next rollout, and once A_i rose far enough for a
-k deeper than the tries' deepest to pay, the k are tried again. Where two k run within a few percent of each other, two runs of one seed can
-choose differently; the tuner's state is plain data for checkpoints, so a resumed run
-continues with it.
+k deeper than the tries' deepest to pay, the k are tried again. Where two k run within a
+few percent of each other, two runs of one seed can choose differently; the tuner's state
+is plain data for checkpoints, so a resumed run continues with it.
 
 Statistics are the dicts spec_config.SpecDecodeMeter.read returns (num_drafts,
 num_draft_tokens, accepted_per_position, ...). Imports the standard library only.
@@ -120,10 +120,10 @@ class DraftTuner:
     and more (the draft layer's forward and the verify path). A band no try ran takes the
     nearest tried band's k. `retry` (a fraction): the tries are stale once the tokens a
     deepest-k step emits rose this much since they ended and a k deeper than the tries'
-    deepest could now pay; a fall needs no tries, the model already drafts less. Neither the period nor a rise re-opens them where, on the last
-    rollout's bands, drafting could not beat PLAIN even at its best (`_could_pay`). Its
-    state is plain data (`state_dict`, `load_state_dict`) for checkpoints: a resumed run
-    continues the tries where they were.
+    deepest could now pay; a fall needs no tries, the model already drafts less. Neither
+    the period nor a rise re-opens them where, on the last rollout's bands, drafting could
+    not beat PLAIN even at its best (`_could_pay`). Its state is plain data (`state_dict`,
+    `load_state_dict`) for checkpoints: a resumed run continues the tries where they were.
     """
 
     def __init__(self, max_tokens, num_bands, margin=0.03, retry=0.25, rounds=TRY_ROUNDS):

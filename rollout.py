@@ -31,9 +31,9 @@ its names, from the flag to vLLM:
 For an MoE model each engine has a `RoutingRecorder`: every sample then carries the experts
 vLLM routed its tokens to, which the trainer replays (--routing-replay) or compares with
 Megatron's own routing. DeepSeek's MLA gets the engine options vLLM-CPU needs for it, and
-vLLM-CPU counts token ranks eagerly (`eager_token_ranks`) and inspects model classes in this process
-(`inspect_models_in_process`). Drafts are sampled from the MTP
-head and verified against the policy (spec_config.sampled_draft_config).
+vLLM-CPU counts token ranks eagerly (`eager_token_ranks`) and inspects model classes in
+this process (`inspect_models_in_process`). Drafts are sampled from the MTP head and
+verified against the policy (spec_config.sampled_draft_config).
 
 Sampling is seeded from (seed, step, engine) before each rollout, so step s samples
 what it would have sampled in an uninterrupted run; the seed goes to this process's torch

@@ -445,6 +445,7 @@ def exit_now(code):
     sys.stderr.flush()
     os._exit(code or 0)
 
+
 if __name__ == "__main__":
     try:
         main(flags.parse_args())
