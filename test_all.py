@@ -63,6 +63,7 @@ import rollout
 import run_configs
 import run_log
 import safetensors_reader
+import seqlen_balancing
 import spec_config
 import tasks
 import tiny_model
@@ -3048,6 +3049,46 @@ def test_grpo_loss_sequence_level_mask_drops_a_sequence_with_an_infinite_log_rat
 
 
 POLICY_LOSS_ARGS = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0)
+
+
+# ---------------------------------------------------------------------------------------
+# seqlen_balancing: micro-batches by tokens: Karmarkar-Karp over the data-parallel ranks, first fit within a token budget
+# ---------------------------------------------------------------------------------------
+
+def test_seqlen_balancing_token_budget_micro_batches_are_balanced_whole_and_within_the_budget():
+    samples = _long_tailed_samples(count=32, group_size=4, seed=1)
+    tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    for shared_prefix in (False, True):
+        for dp_size, budget in ((1, 64), (2, 64), (4, 40), (2, 10)):
+            ranks = seqlen_balancing.token_budget_micro_batches(samples, budget, shared_prefix, dp_size)
+            case = (shared_prefix, dp_size, budget)
+            # Every rank runs as many micro-batches; every sample is trained once, fillers out of the loss.
+            assert len({len(micro_batches) for micro_batches in ranks}) == 1, case
+            trained = [id(s) for micro_batches in ranks for micro in micro_batches for s in micro
+                       if s.get("in_loss", True)]
+            assert sorted(trained) == sorted(map(id, samples)), case
+            for micro_batches in ranks:
+                for micro in micro_batches:
+                    cost = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in micro)
+                    if shared_prefix:
+                        cost -= sum(len(s["prompt_ids"]) for s, before in zip(micro[1:], micro) if
+                                    s["group"] == before["group"])
+                    # Within the budget, or one unit (a sample, a group) alone.
+                    units = len({s["group"] for s in micro}) if shared_prefix else len(micro)
+                    assert cost <= budget or units == 1, (case, cost)
+                    if shared_prefix:
+                        assert all(len([t for t in micro if t["group"] == s["group"]]) == 4 for s in micro), case
+            loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m
+                         if s.get("in_loss", True)) for micro_batches in ranks]
+            # Karmarkar-Karp: the ranks' tokens within the largest unit of each other.
+            assert max(loads) - min(loads) <= max(tokens) * (4 if shared_prefix else 1), (case, loads)
+    # Counted in order, the second rank would hold 1.6x the tokens of the first here.
+    halves = [sum(tokens[:16]), sum(tokens[16:])]
+    ranks = seqlen_balancing.token_budget_micro_batches(samples, 64, False, 2)
+    loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m)
+             for micro_batches in ranks]
+    print(f"tokens per rank: counted {halves}, by tokens {loads}")
+    assert max(loads) - min(loads) <= 2 and max(halves) > 1.5 * min(halves)
 
 
 # ---------------------------------------------------------------------------------------
@@ -6779,42 +6820,6 @@ def _long_tailed_samples(count=16, group_size=4, seed=0):
         samples.append({"prompt_ids": prompt, "response_ids": [rng.randint(3, 99) for _ in range(length)],
                         "advantages": torch.full((length,), 1.0 if index % 3 else -1.0), "group": group})
     return samples
-
-
-def test_trainer_token_budget_micro_batches_are_balanced_whole_and_within_the_budget():
-    samples = _long_tailed_samples(count=32, group_size=4, seed=1)
-    tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    for shared_prefix in (False, True):
-        for dp_size, budget in ((1, 64), (2, 64), (4, 40), (2, 10)):
-            ranks = trainer.token_budget_micro_batches(samples, budget, shared_prefix, dp_size)
-            case = (shared_prefix, dp_size, budget)
-            # Every rank runs as many micro-batches; every sample is trained once, fillers out of the loss.
-            assert len({len(micro_batches) for micro_batches in ranks}) == 1, case
-            trained = [id(s) for micro_batches in ranks for micro in micro_batches for s in micro
-                       if s.get("in_loss", True)]
-            assert sorted(trained) == sorted(map(id, samples)), case
-            for micro_batches in ranks:
-                for micro in micro_batches:
-                    cost = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in micro)
-                    if shared_prefix:
-                        cost -= sum(len(s["prompt_ids"]) for s, before in zip(micro[1:], micro) if
-                                    s["group"] == before["group"])
-                    # Within the budget, or one unit (a sample, a group) alone.
-                    units = len({s["group"] for s in micro}) if shared_prefix else len(micro)
-                    assert cost <= budget or units == 1, (case, cost)
-                    if shared_prefix:
-                        assert all(len([t for t in micro if t["group"] == s["group"]]) == 4 for s in micro), case
-            loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m
-                         if s.get("in_loss", True)) for micro_batches in ranks]
-            # Karmarkar-Karp: the ranks' tokens within the largest unit of each other.
-            assert max(loads) - min(loads) <= max(tokens) * (4 if shared_prefix else 1), (case, loads)
-    # Counted in order, the second rank would hold 1.6x the tokens of the first here.
-    halves = [sum(tokens[:16]), sum(tokens[16:])]
-    ranks = trainer.token_budget_micro_batches(samples, 64, False, 2)
-    loads = [sum(len(s["prompt_ids"]) + len(s["response_ids"]) for m in micro_batches for s in m)
-             for micro_batches in ranks]
-    print(f"tokens per rank: counted {halves}, by tokens {loads}")
-    assert max(loads) - min(loads) <= 2 and max(halves) > 1.5 * min(halves)
 
 
 # What the token-budget step is compared on: the loss and every gradient, fp32.
