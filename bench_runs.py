@@ -9,7 +9,7 @@ then reports ratios from their timings and draws the figures in docs/. `spec_rol
 measures vLLM engines on a checkpoint such a run trained, and `weight_sync_push` times
 vllm_sync's bucketed push against a naive one, each in a spawned process.
 
-Imports torch and the project's cpu_backend, draft_tuner, hf_weights, megatron_model,
+Imports torch and the project's cpu_backend, draft_tuner, grpo_loss, hf_weights, megatron_model,
 rollout, run_log, spec_config, tasks, tiny_model, vllm_sync and harness; vLLM, matplotlib
 and transformers inside the rows that need them.
 """
@@ -27,6 +27,7 @@ import torch
 
 import cpu_backend
 import draft_tuner
+import grpo_loss
 import hf_weights
 import rollout
 import run_log
@@ -451,6 +452,18 @@ def rl_band_totals(records):
     return totals
 
 
+def rl_equal_work_gain(drafting, none):
+    """(the drafting run's engine seconds, the none run's on the same work, the ratio): a
+    drafting run samples other responses than none (rejection sampling draws its own random
+    numbers), so the two runs' rollouts do different work, the longest responses most. The
+    drafting run's tokens per band at the none run's seconds per token in that band is
+    what none would have taken on the drafting run's responses."""
+    drafted, plain = rl_band_totals(drafting), rl_band_totals(none)
+    engine = sum(seconds for _, seconds in drafted.values())
+    equivalent = sum(tokens * plain[label][1] / plain[label][0] for label, (tokens, _) in drafted.items())
+    return engine, equivalent, equivalent / engine
+
+
 def rl_oracle_speedup(none, fixed_runs, engines):
     """The rollout phase's gain of the best fixed k per band in hindsight: the none run's
     rollout phase over the same with each band's seconds at the fastest speed (tokens/s)
@@ -552,9 +565,9 @@ def plot_rl_drafting(rounds, path):
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.suptitle("tail task, 2 processes, 16 prompts x 8 completions per engine, from its warm start: drafting by "
-                    "live batch size (auto) vs none",
-                    fontsize=9)
+    figure.suptitle(f"tail task, 2 processes, {tasks.TASKS['tail']['prompts_per_step']} prompts x "
+                    f"{grpo_loss.RewardConfig.group_size} completions per engine, from its warm start: drafting by "
+                    "live batch size (auto) vs none", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -586,6 +599,7 @@ def rl_round_row(number, runs, walls, oracle):
     train = [rl_phase_seconds(records, ("train",)) for records in (drafting, none)]
     bands = [rl_band_totals(records) for records in (drafting, none)]
     gain = rollout_phase[1] / rollout_phase[0]
+    engine, equivalent, equal_work_gain = rl_equal_work_gain(drafting, none)
     last = drafting[-1]
     return {"row": f"rl_drafting round {number}", "ours_ms": 1000 * step[0], "baseline_ms": 1000 * step[1],
             "speedup": step[1] / step[0],
@@ -593,7 +607,9 @@ def rl_round_row(number, runs, walls, oracle):
                       f"{walls['none'] / walls['drafting']:.2f}x; "
                       f"rollout phase (tune + rollout) {rollout_phase[0]:.1f} s vs {rollout_phase[1]:.1f} s: "
                       f"{gain:.2f}x (the per-band oracle {oracle:.2f}x: auto has {(gain - 1) / (oracle - 1):.0%} of its "
-                      f"gain); step {step[0]:.1f} s vs {step[1]:.1f} s; train phase {train[0]:.1f} s vs {train[1]:.1f} s "
+                      f"gain); engine steps at equal work (the drafting run's tokens per band at none's speed "
+                      f"there) {engine:.1f} s vs {equivalent:.1f} s: {equal_work_gain:.2f}x; "
+                      f"step {step[0]:.1f} s vs {step[1]:.1f} s; train phase {train[0]:.1f} s vs {train[1]:.1f} s "
                       f"({train[1] / train[0]:.2f}x: like work, the same prompts and about as many tokens, so far off "
                       f"1.00 is the machine's drift between the two runs); reward {drafting[-1]['reward_mean']:.3f} vs "
                       f"{none[-1]['reward_mean']:.3f} at the last step; held-out accuracy "
@@ -627,8 +643,11 @@ def row_rl_drafting():
                           f"{replayed_oracle:.2f}x: {(replayed - 1) / (replayed_oracle - 1):.0%} of its gain"})
     deepest = list(RL_ORACLE_VARIANTS)[-1]
     fixed = rounds[0][deepest]
+    engine, equivalent, equal_work_gain = rl_equal_work_gain(fixed, rounds[0]["none"])
     rows.append({"row": f"rl_drafting fixed {deepest}", "ours_ms": None, "baseline_ms": None, "speedup": None,
-                 "notes": "acceptance by depth " + "/".join(f"{a:.2f}" for a in rl_acceptance_by_depth(fixed))
+                 "notes": f"engine steps at equal work {engine:.1f} s vs {equivalent:.1f} s: {equal_work_gain:.2f}x "
+                          "(round 1's none); acceptance by depth "
+                          + "/".join(f"{a:.2f}" for a in rl_acceptance_by_depth(fixed))
                           + f", {rl_tokens_per_verify_step(fixed):.2f} tokens per verify step"})
     rows.append({"row": "rl_drafting plot", "ours_ms": None, "baseline_ms": None, "speedup": None, "notes": RL_PLOT})
     return rows

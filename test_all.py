@@ -7233,6 +7233,22 @@ def test_bench_runs_oracle_takes_each_bands_fastest_k_in_hindsight_or_a_fixed_ru
     assert bench_runs.rl_tokens_per_verify_step(drafted) == pytest.approx(1 + 0.8 + 0.7 + 0.5)
 
 
+def test_bench_runs_equal_work_prices_the_drafting_runs_own_tokens_at_nones_speed_per_band():
+    def run(bands):
+        return [{"bands": {label: {"tokens": tokens, "seconds": seconds} for label, (tokens, seconds) in bands.items()}}]
+
+    # none: 0.1 s a token with one sequence left, 0.005 s in the crowded band. The drafting
+    # run sampled longer responses: twice none's thin-band tokens, half its crowded ones.
+    none = run({"1": (50, 5.0), "65-128": (600, 3.0)})
+    drafting = run({"1": (100, 4.0), "65-128": (300, 3.0)})
+    engine, equivalent, gain = bench_runs.rl_equal_work_gain(drafting, none)
+    assert engine == pytest.approx(7.0) and equivalent == pytest.approx(100 * 0.1 + 300 * 0.005)
+    assert gain == pytest.approx(11.5 / 7.0)
+    # The raw seconds (8 against 7: 1.14x) would count the drafting run's extra work against it.
+    assert gain > 1.6
+    assert bench_runs.rl_equal_work_gain(none, none)[2] == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------------------------------------
 # flags: parses, checks and resolves the command line once, into the settings every config is built from
 # ---------------------------------------------------------------------------------------
