@@ -457,10 +457,12 @@ def rl_equal_work_gain(drafting, none):
     drafting run samples other responses than none (rejection sampling draws its own random
     numbers), so the two runs' rollouts do different work, the longest responses most. The
     drafting run's tokens per band at the none run's seconds per token in that band is
-    what none would have taken on the drafting run's responses."""
+    what none would have taken on the drafting run's responses. A band none never decoded
+    has no price: both sums leave it out."""
     drafted, plain = rl_band_totals(drafting), rl_band_totals(none)
-    engine = sum(seconds for _, seconds in drafted.values())
-    equivalent = sum(tokens * plain[label][1] / plain[label][0] for label, (tokens, _) in drafted.items())
+    priced = {label: counts for label, counts in drafted.items() if plain.get(label, (0, 0.0))[0]}
+    engine = sum(seconds for _, seconds in priced.values())
+    equivalent = sum(tokens * plain[label][1] / plain[label][0] for label, (tokens, _) in priced.items())
     return engine, equivalent, equivalent / engine
 
 

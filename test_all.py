@@ -7247,6 +7247,10 @@ def test_bench_runs_equal_work_prices_the_drafting_runs_own_tokens_at_nones_spee
     # The raw seconds (8 against 7: 1.14x) would count the drafting run's extra work against it.
     assert gain > 1.6
     assert bench_runs.rl_equal_work_gain(none, none)[2] == pytest.approx(1.0)
+    # A band the none run never reached (its responses never thinned to 2 sequences) has
+    # no price: left out of both sums, not a KeyError after the bench's runs.
+    thinner = run({"1": (100, 4.0), "2": (40, 1.0), "65-128": (300, 3.0)})
+    assert bench_runs.rl_equal_work_gain(thinner, none) == pytest.approx((7.0, 11.5, 11.5 / 7.0))
 
 
 # ---------------------------------------------------------------------------------------
